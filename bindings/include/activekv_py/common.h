@@ -1,0 +1,62 @@
+#pragma once
+// Shared glue for ActiveKV's pybind11 modules: torch's type casters (at::Tensor, at::ScalarType, at::Device), the
+// exception translation every module registers, and telemetry -> dict conversion. Bindings include the engine
+// headers; they never restate engine prototypes.
+#include <activekv/telemetry.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+namespace activekv::py_glue {
+
+namespace py = pybind11;
+
+/// c10::TypeError -> TypeError, c10::ValueError -> ValueError, c10::IndexError -> IndexError,
+/// c10::NotImplementedError -> NotImplementedError, other c10::Error -> RuntimeError; messages without backtraces.
+inline void register_exceptions(py::module_& m) {
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const c10::TypeError& e) {
+      PyErr_SetString(PyExc_TypeError, e.what_without_backtrace());
+    } catch (const c10::ValueError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    } catch (const c10::IndexError& e) {
+      PyErr_SetString(PyExc_IndexError, e.what_without_backtrace());
+    } catch (const c10::NotImplementedError& e) {
+      PyErr_SetString(PyExc_NotImplementedError, e.what_without_backtrace());
+    } catch (const c10::Error& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    }
+  });
+}
+
+/// Histogram -> {"le": [upper bounds], "counts": [per bucket], "count": n, "sum": s}.
+inline py::dict histogram_to_dict(const Histogram& h) {
+  py::list le, counts;
+  for (int i = 0; i < Histogram::kBuckets; ++i) {
+    le.append(Histogram::upper_bound(i));
+    counts.append(h.counts[i]);
+  }
+  py::dict d;
+  d["le"] = le;
+  d["counts"] = counts;
+  d["count"] = h.count;
+  d["sum"] = h.sum;
+  return d;
+}
+
+/// Snapshot -> {counter: int, ..., "histograms": {name: histogram dict}, "info": {name: int}}.
+inline py::dict snapshot_to_dict(const TelemetrySnapshot& s) {
+  py::dict d;
+  for (const auto& [name, v] : s.counters) d[py::str(name)] = v;
+  py::dict hs;
+  for (const auto& [name, h] : s.histograms) hs[py::str(name)] = histogram_to_dict(h);
+  d["histograms"] = hs;
+  py::dict info;
+  for (const auto& [name, v] : s.info) info[py::str(name)] = v;
+  d["info"] = info;
+  return d;
+}
+
+}  // namespace activekv::py_glue

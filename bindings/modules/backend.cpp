@@ -1,0 +1,335 @@
+// activekv._backend: the engine and the vLLM-facing backend objects (engine/include/activekv/engine.h).
+//
+// vLLM's patched Python (vllm/v1/attention/backends/activekv.py) imports this module and delegates each contract
+// method in one line. This file reads vLLM's objects (attributes only, plus one config method at start-up) and never
+// imports a Python module or calls a Python callable on the per-step path.
+#include <activekv/engine.h>
+#include <activekv_py/common.h>
+
+#include <memory>
+#include <mutex>
+#include <set>
+#include <unordered_map>
+
+namespace py = pybind11;
+using activekv::Engine;
+using activekv::StepPlan;
+
+namespace {
+
+// A StepPlan bound to the engine that built it: the attention metadata object vLLM passes to every layer's forward.
+struct PlanHandle {
+  std::shared_ptr<Engine> engine;
+  StepPlan plan;
+};
+
+// vLLM hands do_kv_cache_update the layer but no metadata: find the layer's engine by vLLM layer name, registered
+// by the metadata builder that owns the layer. A later builder for the same names (a new LLM in the process)
+// replaces the entry.
+std::mutex g_layers_mu;
+std::unordered_map<std::string, std::weak_ptr<Engine>> g_layers;
+
+std::shared_ptr<Engine> engine_for_layer(const std::string& name) {
+  std::lock_guard<std::mutex> lock(g_layers_mu);
+  auto it = g_layers.find(name);
+  auto e = it == g_layers.end() ? nullptr : it->second.lock();
+  TORCH_CHECK_VALUE(e != nullptr, "no ActiveKV engine serves layer '", name,
+                    "': the ActiveKV metadata builder for its KV-cache group was not created or was released");
+  return e;
+}
+
+std::string layer_name(const py::handle& layer) {
+  TORCH_CHECK_TYPE(py::hasattr(layer, "layer_name"), "layer must be a vLLM attention layer with a layer_name, got ",
+                   std::string(py::str(py::type::of(layer))));
+  return layer.attr("layer_name").cast<std::string>();
+}
+
+const std::set<std::string>& builder_option_keys() {
+  static const std::set<std::string> keys{"mode", "pool_blocks", "tile_blocks"};
+  return keys;
+}
+
+// Defaults: a pool of 256 blocks per layer, tiles of 16 blocks.
+constexpr int64_t kDefaultPoolBlocks = 256;
+constexpr int64_t kDefaultTileBlocks = 16;
+
+int64_t option_int(const py::dict& opts, const char* key, int64_t dflt) {
+  if (!opts.contains(key)) return dflt;
+  py::object v = opts[key];
+  TORCH_CHECK_TYPE(py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v), "additional_config['activekv']['",
+                   key, "'] must be an int, got ", std::string(py::repr(v)));
+  return v.cast<int64_t>();
+}
+
+// Read additional_config["activekv"]: a dict whose keys are all known.
+py::dict activekv_options(const py::handle& vllm_config) {
+  py::object extra = vllm_config.attr("additional_config");
+  if (extra.is_none() || !py::isinstance<py::dict>(extra)) return py::dict();
+  py::dict d = extra.cast<py::dict>();
+  if (!d.contains("activekv")) return py::dict();
+  py::object opts = d["activekv"];
+  TORCH_CHECK_TYPE(py::isinstance<py::dict>(opts), "additional_config['activekv'] must be a dict, got ",
+                   std::string(py::repr(opts)));
+  py::dict od = opts.cast<py::dict>();
+  for (auto item : od) {
+    const auto key = py::str(item.first).cast<std::string>();
+    TORCH_CHECK_VALUE(builder_option_keys().count(key), "unknown ActiveKV option additional_config['activekv']['",
+                      key, "']; known options: mode, pool_blocks, tile_blocks");
+  }
+  return od;
+}
+
+struct Impl {
+  int64_t num_heads;
+  int64_t head_size;
+  double scale;
+  int64_t num_kv_heads;
+  std::string kv_cache_dtype;
+  std::string attn_type;
+};
+
+Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object num_kv_heads, py::object alibi_slopes,
+               py::object sliding_window, const std::string& kv_cache_dtype, py::object logits_soft_cap,
+               py::object attn_type, py::object kv_sharing_target_layer_name, py::object sinks) {
+  TORCH_CHECK_NOT_IMPLEMENTED(alibi_slopes.is_none(), "ActiveKV does not support ALiBi slopes");
+  TORCH_CHECK_NOT_IMPLEMENTED(sliding_window.is_none(), "ActiveKV does not support sliding-window attention, got ",
+                              std::string(py::repr(sliding_window)));
+  TORCH_CHECK_NOT_IMPLEMENTED(kv_cache_dtype == "auto", "ActiveKV supports kv_cache_dtype 'auto' only, got '",
+                              kv_cache_dtype, "'");
+  TORCH_CHECK_NOT_IMPLEMENTED(logits_soft_cap.is_none() || logits_soft_cap.cast<double>() == 0.0,
+                              "ActiveKV does not support logits soft-capping, got ",
+                              std::string(py::repr(logits_soft_cap)));
+  const std::string at = attn_type.is_none() ? "decoder" : attn_type.cast<std::string>();
+  TORCH_CHECK_NOT_IMPLEMENTED(at == "decoder", "ActiveKV supports decoder attention only, got '", at, "'");
+  TORCH_CHECK_NOT_IMPLEMENTED(kv_sharing_target_layer_name.is_none(),
+                              "ActiveKV does not support KV sharing across layers, got ",
+                              std::string(py::repr(kv_sharing_target_layer_name)));
+  TORCH_CHECK_NOT_IMPLEMENTED(sinks.is_none(), "ActiveKV does not support attention sinks");
+  const int64_t kvh = num_kv_heads.is_none() ? num_heads : num_kv_heads.cast<int64_t>();
+  TORCH_CHECK_VALUE(num_heads > 0 && kvh > 0 && num_heads % kvh == 0,
+                    "num_heads must be a positive multiple of num_kv_heads, got ", num_heads, " and ", kvh);
+  TORCH_CHECK_VALUE(head_size > 0, "head_size must be > 0, got ", head_size);
+  return Impl{num_heads, head_size, scale, kvh, kv_cache_dtype, at};
+}
+
+std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std::vector<std::string>& layer_names,
+                                            py::handle vllm_config, at::Device device) {
+  const auto block_size = kv_cache_spec.attr("block_size").cast<int64_t>();
+  const auto num_kv_heads = kv_cache_spec.attr("num_kv_heads").cast<int64_t>();
+  const auto head_size = kv_cache_spec.attr("head_size").cast<int64_t>();
+  const auto dtype = kv_cache_spec.attr("dtype").cast<at::ScalarType>();
+  if (py::hasattr(kv_cache_spec, "sliding_window")) {
+    TORCH_CHECK_NOT_IMPLEMENTED(kv_cache_spec.attr("sliding_window").is_none(),
+                                "ActiveKV does not support sliding-window KV-cache groups");
+  }
+  // Start-up only: the one config method vLLM offers for the per-rank query head count.
+  py::object model_config = vllm_config.attr("model_config");
+  const auto num_heads =
+      model_config.attr("get_num_attention_heads")(vllm_config.attr("parallel_config")).cast<int64_t>();
+  py::dict opts = activekv_options(vllm_config);
+  const std::string mode = opts.contains("mode") ? py::str(opts["mode"]).cast<std::string>() : "exact";
+  activekv::EngineConfig cfg;
+  cfg.mode = activekv::parse_mode(mode);
+  cfg.pool_blocks = option_int(opts, "pool_blocks", kDefaultPoolBlocks);
+  const int64_t tile_blocks = option_int(opts, "tile_blocks", kDefaultTileBlocks);
+  TORCH_CHECK_VALUE(cfg.pool_blocks >= 1, "additional_config['activekv']['pool_blocks'] must be >= 1, got ",
+                    cfg.pool_blocks);
+  TORCH_CHECK_VALUE(tile_blocks >= 1, "additional_config['activekv']['tile_blocks'] must be >= 1, got ",
+                    tile_blocks);
+  cfg.geometry = activekv::Geometry(static_cast<int64_t>(layer_names.size()), num_heads, num_kv_heads, head_size,
+                                    block_size, dtype, tile_blocks);
+  auto engine = std::make_shared<Engine>(cfg, device);
+  engine->set_layer_names(layer_names);
+  std::lock_guard<std::mutex> lock(g_layers_mu);
+  for (const auto& n : layer_names) g_layers[n] = engine;
+  return engine;
+}
+
+struct Builder {
+  std::shared_ptr<Engine> engine;
+};
+
+at::Tensor cpu_attr(py::handle obj, const char* primary, const char* fallback) {
+  py::object v = py::hasattr(obj, primary) ? obj.attr(primary) : py::none();
+  if (v.is_none()) v = obj.attr(fallback);
+  return v.cast<at::Tensor>();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_backend, m) {
+  m.doc() =
+      "ActiveKV engine and vLLM attention-backend objects. KV-cache layout: [num_blocks, num_kv_heads, 2, "
+      "block_size, head_size] over vLLM's LBHNC per-layer tensor.";
+  activekv::py_glue::register_exceptions(m);
+  m.attr("__version__") = activekv::engine_version();
+  m.attr("torch_version") = activekv::engine_torch_version();
+  m.attr("vllm_patch_version") = ACTIVEKV_VLLM_PATCH_VERSION;
+
+  py::class_<PlanHandle>(m, "StepPlan", "One vLLM step's plan (the attention metadata every layer's forward gets).")
+      .def_property_readonly("num_reqs", [](const PlanHandle& p) { return p.plan.num_reqs; })
+      .def_property_readonly("num_actual_tokens", [](const PlanHandle& p) { return p.plan.num_actual_tokens; })
+      .def_property_readonly("query_start_loc", [](const PlanHandle& p) { return p.plan.query_start_loc; },
+                             "int32 [num_reqs + 1] (a copy owned by the plan).")
+      .def_property_readonly("seq_lens", [](const PlanHandle& p) { return p.plan.seq_lens; }, "int32 [num_reqs].")
+      .def_property_readonly("block_table", [](const PlanHandle& p) { return p.plan.block_table; },
+                             "int32 [num_reqs, max_blocks].");
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
+                                               "The ActiveKV engine: host tier + active pool + admission + tiled "
+                                               "attention + telemetry, for num_layers layers.")
+      .def(py::init([](int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                       int64_t block_size, at::ScalarType dtype, int64_t pool_blocks, int64_t tile_blocks,
+                       at::Device device, const std::string& mode) {
+             activekv::EngineConfig cfg;
+             cfg.geometry = activekv::Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
+                                               tile_blocks);
+             cfg.pool_blocks = pool_blocks;
+             cfg.mode = activekv::parse_mode(mode);
+             return std::make_shared<Engine>(cfg, device);
+           }),
+           py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
+           py::arg("block_size"), py::arg("dtype"), py::arg("pool_blocks"), py::arg("tile_blocks"),
+           py::arg("device") = at::Device("cpu"), py::arg("mode") = "exact")
+      .def(
+          "build",
+          [](const std::shared_ptr<Engine>& e, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+             const at::Tensor& block_table, int64_t num_actual_tokens, std::optional<int64_t> num_reqs) {
+            const int64_t n = num_reqs ? *num_reqs : seq_lens.size(0);
+            PlanHandle h{e, {}};
+            {
+              py::gil_scoped_release release;
+              h.plan = e->build(query_start_loc, seq_lens, block_table, n, num_actual_tokens);
+            }
+            return h;
+          },
+          py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_table"), py::arg("num_actual_tokens"),
+          py::arg("num_reqs") = py::none(),
+          "Plan a step from int32/int64 CPU tensors: query_start_loc [B + 1], seq_lens [B], block_table [B, W].")
+      .def("update_kv", &Engine::update_kv, py::arg("layer"), py::arg("key"), py::arg("value"), py::arg("kv_cache"),
+           py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>(),
+           "Write key/value [T, KVH, D] into the layer's KV cache at slot_mapping [n <= T] (-1 = padding).")
+      .def(
+          "forward",
+          [](const std::shared_ptr<Engine>& e, int64_t layer, const PlanHandle& plan, const at::Tensor& query,
+             const at::Tensor& kv_cache, const at::Tensor& output, double scale) {
+            TORCH_CHECK_VALUE(plan.engine == e, "plan was built by another ActiveKV engine");
+            py::gil_scoped_release release;
+            e->forward(layer, plan.plan, query, kv_cache, output, scale);
+          },
+          py::arg("layer"), py::arg("plan"), py::arg("query"), py::arg("kv_cache"), py::arg("output"),
+          py::arg("scale"), "Attention for the planned step: query [T, H, D] -> output [T, H, D] (written in place).")
+      .def("snapshot", [](Engine& e) { return activekv::py_glue::snapshot_to_dict(e.telemetry().snapshot()); },
+           "This engine's counters, histograms and info.")
+      .def("reset_telemetry", [](Engine& e) { e.telemetry().reset(); }, "Zero this engine's counters/histograms.")
+      .def("layer_index", &Engine::layer_index, py::arg("name"), "Layer index of a vLLM layer name.")
+      .def(
+          "resident",
+          [](Engine& e, int64_t layer) {
+            py::dict d;
+            const auto& l = e.kv_state().layer(layer);
+            for (size_t b = 0; b < l.slot_of_block.size(); ++b)
+              if (l.slot_of_block[b] >= 0) d[py::int_(b)] = l.slot_of_block[b];
+            return d;
+          },
+          py::arg("layer"), "{block id: pool slot} of the layer's resident blocks.")
+      .def("pool", [](Engine& e, int64_t layer) { return e.kv_state().layer(layer).pool; }, py::arg("layer"),
+           "The layer's active pool [pool_blocks, num_kv_heads, 2, block_size, head_size] (a view).")
+      .def("key_min", [](Engine& e, int64_t layer) { return e.kv_state().layer(layer).key_min; }, py::arg("layer"),
+           "float32 [num_blocks, num_kv_heads, head_size]; undefined before the layer's first KV update.")
+      .def("key_max", [](Engine& e, int64_t layer) { return e.kv_state().layer(layer).key_max; }, py::arg("layer"),
+           "float32 [num_blocks, num_kv_heads, head_size]; undefined before the layer's first KV update.")
+      .def_property_readonly("num_layers", [](Engine& e) { return e.geometry().num_layers; })
+      .def_property_readonly("pool_blocks", [](Engine& e) { return e.config().pool_blocks; })
+      .def_property_readonly("tile_blocks", [](Engine& e) { return e.geometry().tile_blocks; })
+      .def_property_readonly("block_size", [](Engine& e) { return e.geometry().block_size; })
+      .def_property_readonly("mode", [](Engine& e) { return std::string(activekv::mode_name(e.config().mode)); });
+
+  py::class_<Builder>(m, "Builder", "vLLM AttentionMetadataBuilder delegate: creates the engine for a KV-cache group.")
+      .def(py::init([](py::object kv_cache_spec, std::vector<std::string> layer_names, py::object vllm_config,
+                       at::Device device) {
+             return Builder{make_builder_engine(kv_cache_spec, layer_names, vllm_config, device)};
+           }),
+           py::arg("kv_cache_spec"), py::arg("layer_names"), py::arg("vllm_config"), py::arg("device"))
+      .def(
+          "build",
+          [](const Builder& b, int64_t common_prefix_len, py::object cm, bool fast_build) {
+            py::object causal = cm.attr("causal");
+            TORCH_CHECK_NOT_IMPLEMENTED(py::isinstance<py::bool_>(causal) && causal.cast<bool>(),
+                                        "ActiveKV supports causal attention only");
+            const at::Tensor qsl = cpu_attr(cm, "query_start_loc_cpu", "query_start_loc");
+            const at::Tensor seq_lens = cm.attr("seq_lens").cast<at::Tensor>();
+            const at::Tensor block_table = cm.attr("block_table_tensor").cast<at::Tensor>();
+            const auto num_reqs = cm.attr("num_reqs").cast<int64_t>();
+            const auto num_actual_tokens = cm.attr("num_actual_tokens").cast<int64_t>();
+            PlanHandle h{b.engine, {}};
+            py::gil_scoped_release release;
+            h.plan = b.engine->build(qsl, seq_lens, block_table, num_reqs, num_actual_tokens);
+            return h;
+          },
+          py::arg("common_prefix_len"), py::arg("common_attn_metadata"), py::arg("fast_build") = false,
+          "Plan a step from vLLM's CommonAttentionMetadata; returns the StepPlan vLLM passes to forward.")
+      .def_property_readonly("engine", [](const Builder& b) { return b.engine; }, "The engine this builder created.");
+
+  py::class_<Impl>(m, "Impl", "vLLM AttentionImpl delegate: KV update and forward for one attention layer.")
+      .def(py::init(&make_impl), py::arg("num_heads"), py::arg("head_size"), py::arg("scale"),
+           py::arg("num_kv_heads") = py::none(), py::arg("alibi_slopes") = py::none(),
+           py::arg("sliding_window") = py::none(), py::arg("kv_cache_dtype") = "auto",
+           py::arg("logits_soft_cap") = py::none(), py::arg("attn_type") = py::none(),
+           py::arg("kv_sharing_target_layer_name") = py::none(), py::arg("sinks") = py::none())
+      .def_readonly("num_heads", &Impl::num_heads)
+      .def_readonly("head_size", &Impl::head_size)
+      .def_readonly("scale", &Impl::scale)
+      .def_readonly("num_kv_heads", &Impl::num_kv_heads)
+      .def_readonly("kv_cache_dtype", &Impl::kv_cache_dtype)
+      .def_readonly("attn_type", &Impl::attn_type)
+      .def(
+          "forward",
+          [](const Impl& impl, py::object layer, const at::Tensor& query, py::object key, py::object value,
+             const at::Tensor& kv_cache, py::object attn_metadata, const at::Tensor& output, py::object output_scale,
+             py::object output_block_scale) {
+            TORCH_CHECK_NOT_IMPLEMENTED(output_scale.is_none() && output_block_scale.is_none(),
+                                        "ActiveKV does not support fused output quantization");
+            const std::string name = layer_name(layer);
+            if (attn_metadata.is_none()) {  // vLLM warm-up / profiling run: leave output untouched
+              engine_for_layer(name)->note_forward_skipped();
+              return output;
+            }
+            TORCH_CHECK_TYPE(py::isinstance<PlanHandle>(attn_metadata),
+                             "attn_metadata must be an activekv StepPlan (from the ActiveKV metadata builder), got ",
+                             std::string(py::str(py::type::of(attn_metadata))));
+            const auto& plan = attn_metadata.cast<const PlanHandle&>();
+            const int64_t idx = plan.engine->layer_index(name);
+            py::gil_scoped_release release;
+            plan.engine->forward(idx, plan.plan, query, kv_cache, output, impl.scale);
+            return output;
+          },
+          py::arg("layer"), py::arg("query"), py::arg("key"), py::arg("value"), py::arg("kv_cache"),
+          py::arg("attn_metadata"), py::arg("output"), py::arg("output_scale") = py::none(),
+          py::arg("output_block_scale") = py::none(),
+          "query [T, H, D] attends over the layer's KV cache; writes and returns output [T, H, D].")
+      .def(
+          "do_kv_cache_update",
+          [](const Impl&, py::object layer, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+             const at::Tensor& slot_mapping) {
+            auto engine = engine_for_layer(layer_name(layer));
+            const int64_t idx = engine->layer_index(layer_name(layer));
+            py::gil_scoped_release release;
+            engine->update_kv(idx, key, value, kv_cache, slot_mapping);
+          },
+          py::arg("layer"), py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"),
+          "Write key/value [T, KVH, D] into the layer's KV cache at slot_mapping (-1 = padding).");
+
+  m.def("name", []() { return std::string("ACTIVEKV"); }, "The backend name vLLM selects.");
+  m.def("supported_dtypes", &activekv::supported_dtypes, "Model dtypes the backend supports.");
+  m.def("supported_kv_cache_dtypes", []() { return std::vector<std::string>{"auto"}; },
+        "KV-cache dtypes the backend supports (no fp8).");
+  m.def("supported_head_sizes", &activekv::supported_head_sizes, "Head sizes the backend supports.");
+  m.def("supported_block_sizes", &activekv::supported_block_sizes, "KV-cache block sizes the backend supports.");
+  m.def("supports_sliding_window", []() { return false; }, "Sliding-window attention: not supported.");
+  m.def("supports_sink", []() { return false; }, "Attention sinks: not supported.");
+  m.def("supports_non_causal", []() { return false; }, "Non-causal attention: not supported.");
+  m.def("supports_kv_connector", []() { return false; }, "KV connectors: not supported (ActiveKV owns the layout).");
+  m.def("supports_attn_type", [](const std::string& t) { return t == "decoder"; }, py::arg("attn_type"),
+        "True for decoder attention only.");
+}

@@ -1,0 +1,68 @@
+// activekv._kv_state: the two tiers, the page table and per-block key metadata (engine/include/activekv/kv_state.h).
+#include <activekv/kv_state.h>
+#include <activekv_py/common.h>
+
+#include <memory>
+
+namespace py = pybind11;
+
+namespace {
+// A KVState with its own (unregistered) telemetry, for exercising the KV-state part on its own.
+struct PyKVState {
+  PyKVState(int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
+            at::ScalarType dtype, int64_t pool_blocks, at::Device device)
+      : state(activekv::Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype, 1), pool_blocks,
+              device),
+        telemetry(false) {}
+  activekv::KVState state;
+  activekv::Telemetry telemetry;
+};
+}  // namespace
+
+PYBIND11_MODULE(_kv_state, m) {
+  m.doc() = "ActiveKV key-value state: host tier (referenced), active pool (owned), page table, key min/max.";
+  activekv::py_glue::register_exceptions(m);
+  py::class_<PyKVState>(m, "KVState", "Host tier + active pool of every layer, keyed by vLLM physical block id.")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t, at::Device>(),
+           py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
+           py::arg("block_size"), py::arg("dtype"), py::arg("pool_blocks"), py::arg("device") = at::Device("cpu"))
+      .def(
+          "bind_host",
+          [](PyKVState& s, int64_t layer, const at::Tensor& kv_cache) {
+            return s.state.bind_host(layer, kv_cache, s.telemetry);
+          },
+          py::arg("layer"), py::arg("kv_cache"), py::call_guard<py::gil_scoped_release>(),
+          "Bind the layer's host tier; returns it as [num_blocks, num_kv_heads, 2, block_size, head_size].")
+      .def(
+          "write",
+          [](PyKVState& s, int64_t layer, const at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
+             const at::Tensor& slot_mapping) {
+            auto host = s.state.bind_host(layer, kv_cache, s.telemetry);
+            s.state.write(layer, host, key, value, slot_mapping, s.telemetry);
+          },
+          py::arg("layer"), py::arg("kv_cache"), py::arg("key"), py::arg("value"), py::arg("slot_mapping"),
+          py::call_guard<py::gil_scoped_release>(),
+          "Write key/value [T, KVH, D] at slot_mapping [n <= T] (-1 = padding): host tier, write-through, metadata.")
+      .def(
+          "resident",
+          [](const PyKVState& s, int64_t layer) {
+            py::dict d;
+            const auto& l = s.state.layer(layer);
+            for (size_t b = 0; b < l.slot_of_block.size(); ++b)
+              if (l.slot_of_block[b] >= 0) d[py::int_(b)] = l.slot_of_block[b];
+            return d;
+          },
+          py::arg("layer"), "{block id: pool slot} of the layer's resident blocks.")
+      .def("pool", [](const PyKVState& s, int64_t layer) { return s.state.layer(layer).pool; }, py::arg("layer"),
+           "The layer's pool [pool_blocks, num_kv_heads, 2, block_size, head_size] (a view, not a copy).")
+      .def("key_min", [](const PyKVState& s, int64_t layer) { return s.state.layer(layer).key_min; },
+           py::arg("layer"), "float32 [num_blocks, num_kv_heads, head_size] per-dimension key minimum per block.")
+      .def("key_max", [](const PyKVState& s, int64_t layer) { return s.state.layer(layer).key_max; },
+           py::arg("layer"), "float32 [num_blocks, num_kv_heads, head_size] per-dimension key maximum per block.")
+      .def("reset_layer", [](PyKVState& s, int64_t layer) { s.state.reset_layer(layer); }, py::arg("layer"),
+           "Forget every resident block of the layer.")
+      .def(
+          "counters",
+          [](const PyKVState& s) { return activekv::py_glue::snapshot_to_dict(s.telemetry.snapshot()); },
+          "Telemetry of this KV state (tokens_written, padding_slots, write_through_tokens, host_rebinds, ...).");
+}

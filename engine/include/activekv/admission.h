@@ -1,0 +1,46 @@
+#pragma once
+/// @file admission.h
+/// @brief Admission policy: which blocks enter the active pool, and which leave it.
+///
+/// Exact mode: every block of a request row's context, in order, one tile at a time; a resident block is a hit, a
+/// missing one takes a free slot (lowest index first) or evicts the least recently used unpinned block (ties: lowest
+/// slot). The blocks of the tile being computed are pinned until the tile is released, so a pool of at least one tile
+/// can stream a context of any length.
+#include <activekv/kv_state.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace activekv {
+
+/// Admission modes. Only exact mode exists so far.
+enum class Mode : int { kExact = 0 };
+
+/// Mode from its option spelling ("exact"). @throws c10::ValueError naming the valid modes.
+Mode parse_mode(const std::string& name);
+/// Option spelling of a mode.
+const char* mode_name(Mode mode);
+
+/// What admitting one tile decided.
+struct TileAdmission {
+  std::vector<int64_t> slots;        ///< pool slot of each block of the tile, in tile order
+  std::vector<int64_t> miss_blocks;  ///< blocks that must be copied host -> pool
+  std::vector<int64_t> miss_slots;   ///< their destination slots (same order)
+  int64_t hits = 0;
+  int64_t evicted = 0;
+};
+
+/// Exact-mode tiles of a request row: the first `num_blocks` entries of its block-table row, `tile_blocks` at a time.
+/// @param block_row pointer to num_blocks block ids
+std::vector<std::vector<int64_t>> exact_tiles(const int32_t* block_row, int64_t num_blocks, int64_t tile_blocks);
+
+/// Admit one tile's blocks into a layer's pool and pin them.
+/// @param clock admission clock, advanced once per block touched (LRU order).
+/// @throws c10::ValueError when the tile is larger than the pool minus the slots pinned already.
+TileAdmission admit_tile(LayerState& layer, const std::vector<int64_t>& blocks, uint64_t& clock);
+
+/// Unpin the slots of a tile admitted by admit_tile.
+void release_tile(LayerState& layer, const std::vector<int64_t>& slots);
+
+}  // namespace activekv

@@ -1,0 +1,94 @@
+#pragma once
+/// @file engine.h
+/// @brief The engine: geometry + KV state + admission + transfers + tiled attention + telemetry, composed into the
+///        three per-step entry points vLLM reaches (build, KV update, forward).
+#include <activekv/admission.h>
+#include <activekv/attention.h>
+#include <activekv/geometry.h>
+#include <activekv/kv_state.h>
+#include <activekv/telemetry.h>
+#include <activekv/transfer.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace activekv {
+
+/// Engine configuration, validated at construction.
+struct EngineConfig {
+  Geometry geometry;
+  int64_t pool_blocks = 0;  ///< active-pool slots per layer, >= geometry.tile_blocks
+  Mode mode = Mode::kExact;
+};
+
+/// One vLLM step's plan, shared by every layer of the step. CPU tensors, copied from vLLM's metadata.
+struct StepPlan {
+  at::Tensor query_start_loc;  ///< [num_reqs + 1] int32, cumulative query tokens per request row
+  at::Tensor seq_lens;         ///< [num_reqs] int32, context length per row (computed + new tokens)
+  at::Tensor block_table;      ///< [num_reqs, max_blocks] int32, vLLM physical block ids per row
+  int64_t num_reqs = 0;
+  int64_t num_actual_tokens = 0;  ///< query tokens that are real (rows past it are padding)
+  int64_t build_id = 0;           ///< build counter value that made this plan
+};
+
+/// The engine. Not thread-safe per instance (vLLM drives one worker thread); distinct instances are independent.
+class Engine {
+ public:
+  /// @throws c10::ValueError if pool_blocks < tile_blocks or the geometry is invalid.
+  Engine(EngineConfig config, at::Device device);
+
+  const EngineConfig& config() const { return config_; }
+  const Geometry& geometry() const { return config_.geometry; }
+  at::Device device() const { return device_; }
+  Telemetry& telemetry() { return telemetry_; }
+  KVState& kv_state() { return kv_; }
+
+  /// Assign layer names to layer indices, in order (vLLM's layer names of the KV-cache group).
+  /// @throws c10::ValueError if the count differs from geometry.num_layers or a name repeats.
+  void set_layer_names(const std::vector<std::string>& names);
+  /// Layer index of a vLLM layer name. @throws c10::ValueError for an unknown name.
+  int64_t layer_index(const std::string& name) const;
+
+  /// Plan a step.
+  /// @param query_start_loc [>= num_reqs + 1] integer, CPU, non-decreasing from 0
+  /// @param seq_lens [>= num_reqs] integer, CPU
+  /// @param block_table [>= num_reqs, max_blocks] integer, CPU
+  /// @throws c10::ValueError / c10::TypeError naming the argument on any inconsistency.
+  StepPlan build(const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                 int64_t num_reqs, int64_t num_actual_tokens);
+
+  /// KV update of one layer (vLLM's do_kv_cache_update).
+  /// @param key, value [num_tokens, num_kv_heads, head_size], geometry dtype
+  /// @param kv_cache the layer's host tier, see as_block_layout
+  /// @param slot_mapping [n <= num_tokens] int64 (int32 accepted), -1 = padding
+  void update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                 const at::Tensor& slot_mapping);
+
+  /// Attention of one layer for a planned step, written into `output`.
+  /// @param query [>= num_actual_tokens, num_heads, head_size], geometry dtype
+  /// @param output [>= num_actual_tokens, num_heads, head_size] (or [.., num_heads * head_size]), query dtype;
+  ///        rows of real tokens are overwritten, padding rows untouched
+  void forward(int64_t layer, const StepPlan& plan, const at::Tensor& query, const at::Tensor& kv_cache,
+               const at::Tensor& output, double scale);
+
+  /// Count a forward entry that carried no metadata (vLLM warm-up): nothing else happens.
+  void note_forward_skipped() { telemetry_.add(Counter::kForwardSkipped); }
+
+ private:
+  void check_layer(int64_t layer) const;
+
+  EngineConfig config_;
+  at::Device device_;
+  KVState kv_;
+  Telemetry telemetry_;
+  uint64_t clock_ = 0;
+  std::unordered_map<std::string, int64_t> layer_names_;
+};
+
+/// Engine version string and the torch version it was built against.
+const char* engine_version();
+const char* engine_torch_version();
+
+}  // namespace activekv

@@ -1,0 +1,66 @@
+#pragma once
+/// @file kv_state.h
+/// @brief Key-value state: the host tier (vLLM's per-layer KV cache, referenced), the active pool (engine-owned),
+///        the page table keyed by vLLM's physical block id, and per-block key metadata.
+///
+/// Coherence rule: every KV update writes the host tier and writes through to the pool copy of a resident block, so
+/// a block that vLLM frees and reuses for another request is never read stale from the pool.
+#include <activekv/geometry.h>
+#include <activekv/telemetry.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace activekv {
+
+/// State of one layer.
+struct LayerState {
+  at::Tensor pool;      ///< [pool_blocks, num_kv_heads, 2, block_size, head_size], geometry dtype
+  at::Tensor key_min;   ///< [host_blocks, num_kv_heads, head_size] float32, per-dimension key minimum of the block
+  at::Tensor key_max;   ///< [host_blocks, num_kv_heads, head_size] float32, per-dimension key maximum of the block
+  const void* host_data = nullptr;  ///< identity of the bound host tier (its data pointer)
+  int64_t host_blocks = 0;          ///< blocks in the bound host tier
+  std::vector<int64_t> slot_of_block;  ///< [host_blocks] pool slot holding the block, -1 if not resident
+  std::vector<int64_t> block_of_slot;  ///< [pool_blocks] block held by the slot, -1 if free
+  std::vector<uint64_t> last_use;      ///< [pool_blocks] admission clock at the slot's last use (LRU)
+  std::vector<int32_t> pins;           ///< [pool_blocks] >0 while the current tile uses the slot
+};
+
+/// The two tiers of every layer.
+class KVState {
+ public:
+  /// @param pool_blocks active-pool slots per layer (>= 1).
+  /// @param device device of the pool (the host tier's device on CPU).
+  KVState(const Geometry& g, int64_t pool_blocks, at::Device device);
+
+  const Geometry& geometry() const { return g_; }
+  int64_t pool_blocks() const { return pool_blocks_; }
+  LayerState& layer(int64_t index);
+  const LayerState& layer(int64_t index) const;
+
+  /// Bind a layer's host tier and return it in ActiveKV's layout [num_blocks, num_kv_heads, 2, block_size, head_size].
+  /// A different storage than last time (vLLM reallocated its KV cache) resets the layer's pool, page table and
+  /// metadata, counted as kHostRebinds.
+  /// @throws c10::TypeError / c10::ValueError for a kv_cache of the wrong dtype, device, shape or contiguity.
+  at::Tensor bind_host(int64_t layer, const at::Tensor& kv_cache, Telemetry& t);
+
+  /// Write new K/V at their slots: host tier, write-through to resident pool copies, per-block key min/max
+  /// (reset when a block's offset 0 is written, since vLLM fills a fresh block from offset 0).
+  /// @param host [num_blocks, num_kv_heads, 2, block_size, head_size] from bind_host
+  /// @param key, value [num_tokens, num_kv_heads, head_size], geometry dtype, same device
+  /// @param slot_mapping [n] int64 with n <= num_tokens: slot of token i, or -1 (PAD_SLOT_ID) to skip
+  /// @throws c10::IndexError for a slot outside [-1, num_blocks * block_size).
+  void write(int64_t layer, const at::Tensor& host, const at::Tensor& key, const at::Tensor& value,
+             const at::Tensor& slot_mapping, Telemetry& t);
+
+  /// Forget every resident block of a layer (the pool's bytes stay; nothing reads a free slot).
+  void reset_layer(int64_t layer);
+
+ private:
+  Geometry g_;
+  int64_t pool_blocks_;
+  at::Device device_;
+  std::vector<LayerState> layers_;
+};
+
+}  // namespace activekv

@@ -1,0 +1,78 @@
+#include <activekv/admission.h>
+#include <activekv/check.h>
+
+namespace activekv {
+
+Mode parse_mode(const std::string& name) {
+  AKV_CHECK_VALUE(name == "exact", "mode must be 'exact' (the only mode so far), got '", name, "'");
+  return Mode::kExact;
+}
+
+const char* mode_name(Mode mode) {
+  switch (mode) {
+    case Mode::kExact: return "exact";
+  }
+  return "unknown";
+}
+
+std::vector<std::vector<int64_t>> exact_tiles(const int32_t* block_row, int64_t num_blocks, int64_t tile_blocks) {
+  std::vector<std::vector<int64_t>> tiles;
+  for (int64_t start = 0; start < num_blocks; start += tile_blocks) {
+    const int64_t end = std::min(num_blocks, start + tile_blocks);
+    tiles.emplace_back(block_row + start, block_row + end);
+  }
+  return tiles;
+}
+
+TileAdmission admit_tile(LayerState& layer, const std::vector<int64_t>& blocks, uint64_t& clock) {
+  TileAdmission out;
+  out.slots.reserve(blocks.size());
+  const int64_t pool = static_cast<int64_t>(layer.block_of_slot.size());
+  // Validate before touching the page table, so a bad id leaves it as it was.
+  for (int64_t b : blocks)
+    AKV_CHECK_INDEX(b >= 0 && b < layer.host_blocks, "block id must be in [0, ", layer.host_blocks, "), got ", b);
+  int64_t pinned = 0;
+  for (int64_t i = 0; i < pool; ++i) pinned += layer.pins[i] > 0;
+  AKV_CHECK_VALUE(static_cast<int64_t>(blocks.size()) <= pool - pinned, "a tile of ", blocks.size(),
+                  " blocks does not fit the active pool (", pool, " slots, ", pinned, " pinned)");
+  for (int64_t b : blocks) {
+    int64_t s = layer.slot_of_block[b];
+    if (s >= 0) {
+      ++out.hits;
+    } else {
+      // Lowest free slot first; else the least recently used unpinned slot (lowest index on a tie).
+      for (int64_t i = 0; i < pool; ++i) {
+        if (layer.block_of_slot[i] < 0) {
+          s = i;
+          break;
+        }
+      }
+      if (s < 0) {
+        for (int64_t i = 0; i < pool; ++i) {
+          if (layer.pins[i] == 0 && (s < 0 || layer.last_use[i] < layer.last_use[s])) s = i;
+        }
+        AKV_CHECK_VALUE(s >= 0, "the active pool (", pool, " blocks) has no unpinned slot left for a tile of ",
+                        blocks.size(), " blocks");
+        layer.slot_of_block[layer.block_of_slot[s]] = -1;
+        ++out.evicted;
+      }
+      layer.block_of_slot[s] = b;
+      layer.slot_of_block[b] = s;
+      out.miss_blocks.push_back(b);
+      out.miss_slots.push_back(s);
+    }
+    layer.last_use[s] = ++clock;
+    ++layer.pins[s];
+    out.slots.push_back(s);
+  }
+  return out;
+}
+
+void release_tile(LayerState& layer, const std::vector<int64_t>& slots) {
+  for (int64_t s : slots) {
+    TORCH_INTERNAL_ASSERT(layer.pins[s] > 0, "releasing an unpinned pool slot ", s);
+    --layer.pins[s];
+  }
+}
+
+}  // namespace activekv

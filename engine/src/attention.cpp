@@ -1,0 +1,83 @@
+#include <activekv/attention.h>
+#include <activekv/check.h>
+#include <activekv/geometry.h>
+
+#include <limits>
+
+namespace activekv {
+
+at::Tensor group_query(const at::Tensor& q, int64_t num_kv_heads) {
+  const int64_t lq = q.size(0), h = q.size(1), d = q.size(2);
+  const int64_t g = h / num_kv_heads;
+  return q.to(at::kFloat).reshape({lq, num_kv_heads, g, d}).permute({1, 2, 0, 3}).reshape({num_kv_heads, g * lq, d});
+}
+
+at::Tensor ungroup_output(const at::Tensor& out, int64_t num_q_tokens) {
+  const int64_t kvh = out.size(0), rows = out.size(1), d = out.size(2);
+  const int64_t g = rows / num_q_tokens;
+  return out.view({kvh, g, num_q_tokens, d}).permute({2, 0, 1, 3}).reshape({num_q_tokens, kvh * g, d});
+}
+
+at::Tensor tile_mask(int64_t first_query_pos, int64_t num_q_tokens, int64_t key_start, int64_t num_keys,
+                     at::Device device) {
+  auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  auto qpos = at::arange(first_query_pos, first_query_pos + num_q_tokens, opts);
+  auto kpos = at::arange(key_start, key_start + num_keys, opts);
+  return kpos.unsqueeze(0).gt(qpos.unsqueeze(1));
+}
+
+OnlineSoftmax online_softmax_init(int64_t num_kv_heads, int64_t rows, int64_t head_size, at::Device device) {
+  auto opts = at::TensorOptions().dtype(at::kFloat).device(device);
+  return {at::full({num_kv_heads, rows, 1}, -std::numeric_limits<float>::infinity(), opts),
+          at::zeros({num_kv_heads, rows, 1}, opts), at::zeros({num_kv_heads, rows, head_size}, opts)};
+}
+
+void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tensor& tile, const at::Tensor& mask,
+                         double scale) {
+  const int64_t kvh = qg.size(0), rows = qg.size(1), d = qg.size(2);
+  const int64_t n = tile.size(0), bs = tile.size(3);
+  const int64_t lq = mask.size(0), g = rows / lq;
+  // [n, KVH, 2, bs, D] -> [KVH, n * bs, D]: keys of the tile in position order, per KV head.
+  auto k = tile.select(2, 0).permute({1, 0, 2, 3}).reshape({kvh, n * bs, d}).to(at::kFloat);
+  auto v = tile.select(2, 1).permute({1, 0, 2, 3}).reshape({kvh, n * bs, d}).to(at::kFloat);
+  auto s = at::matmul(qg, k.transpose(1, 2));  // [KVH, G * Lq, n * bs]
+  s.mul_(scale);
+  s.view({kvh, g, lq, n * bs}).masked_fill_(mask, -std::numeric_limits<float>::infinity());
+  auto m_new = at::maximum(st.m, s.amax(-1, true));
+  // A row with every key masked so far keeps m = -inf; shift by 0 there so exp gives 0, not NaN.
+  auto m_safe = m_new.masked_fill(m_new.isneginf(), 0.0);
+  auto p = at::sub(s, m_safe).exp_();
+  auto alpha = at::sub(st.m, m_safe).exp_();
+  st.l = at::add(at::mul(st.l, alpha), p.sum(-1, true));
+  st.acc = at::add(at::mul(st.acc, alpha), at::matmul(p, v));
+  st.m = m_new;
+}
+
+at::Tensor online_softmax_finish(const OnlineSoftmax& st) { return at::div(st.acc, st.l); }
+
+at::Tensor tiled_attention(const at::Tensor& q, const at::Tensor& kv, int64_t seq_len, int64_t tile_blocks,
+                           double scale) {
+  AKV_CHECK_VALUE(q.dim() == 3, "q must be [num_q_tokens, num_heads, head_size], got ", shape_str(q.sizes()));
+  AKV_CHECK_VALUE(kv.dim() == 5 && kv.size(2) == 2 && kv.size(4) == q.size(2),
+                  "kv must be [num_blocks, num_kv_heads, 2, block_size, head_size] with head_size ", q.size(2),
+                  ", got ", shape_str(kv.sizes()));
+  AKV_CHECK_VALUE(kv.size(1) > 0 && q.size(1) % kv.size(1) == 0, "num_heads (", q.size(1),
+                  ") must be a multiple of num_kv_heads (", kv.size(1), ")");
+  AKV_CHECK_VALUE(tile_blocks > 0, "tile_blocks must be > 0, got ", tile_blocks);
+  const int64_t lq = q.size(0), bs = kv.size(3);
+  AKV_CHECK_VALUE(lq >= 1, "q must hold at least one query token, got ", shape_str(q.sizes()));
+  AKV_CHECK_VALUE(lq <= seq_len && seq_len <= kv.size(0) * bs, "need num_q_tokens (", lq, ") <= seq_len (", seq_len,
+                  ") <= num_blocks * block_size (", kv.size(0) * bs, ")");
+  const int64_t kvh = kv.size(1);
+  auto qg = group_query(q, kvh);
+  auto st = online_softmax_init(kvh, qg.size(1), q.size(2), q.device());
+  const int64_t nb = (seq_len + bs - 1) / bs;
+  for (int64_t start = 0; start < nb; start += tile_blocks) {
+    const int64_t n = std::min(nb, start + tile_blocks) - start;
+    auto mask = tile_mask(seq_len - lq, lq, start * bs, n * bs, q.device());
+    online_softmax_tile(st, qg, kv.narrow(0, start, n), mask, scale);
+  }
+  return ungroup_output(online_softmax_finish(st), lq);
+}
+
+}  // namespace activekv

@@ -1,0 +1,185 @@
+#include <activekv/check.h>
+#include <activekv/engine.h>
+
+#include <chrono>
+
+namespace activekv {
+
+namespace {
+at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device) {
+  auto t = at::empty({static_cast<int64_t>(ids.size())}, at::TensorOptions().dtype(at::kLong));
+  std::copy(ids.begin(), ids.end(), t.data_ptr<int64_t>());
+  return t.to(device);
+}
+
+bool is_index_dtype(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
+
+void check_index_tensor(const at::Tensor& t, const char* name, int64_t dim) {
+  AKV_CHECK_TYPE(t.defined(), name, " must be a tensor, got None");
+  AKV_CHECK_TYPE(is_index_dtype(t.scalar_type()), name, " must be int32 or int64, got ", t.scalar_type());
+  AKV_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got ", shape_str(t.sizes()));
+}
+
+// Pins of an admitted tile are released even when an exception leaves the loop.
+struct TilePins {
+  LayerState& layer;
+  std::vector<int64_t> slots;
+  ~TilePins() { release_tile(layer, slots); }
+};
+}  // namespace
+
+const char* engine_version() { return ACTIVEKV_VERSION; }
+const char* engine_torch_version() { return ACTIVEKV_TORCH_VERSION; }
+
+Engine::Engine(EngineConfig config, at::Device device)
+    : config_(std::move(config)), device_(device), kv_(config_.geometry, config_.pool_blocks, device) {
+  AKV_CHECK_VALUE(config_.pool_blocks >= config_.geometry.tile_blocks, "pool_blocks (", config_.pool_blocks,
+                  ") must be >= tile_blocks (", config_.geometry.tile_blocks,
+                  "): the pool must hold one whole tile to stream a context through it");
+  const auto& g = config_.geometry;
+  telemetry_.set_info("num_layers", g.num_layers);
+  telemetry_.set_info("pool_blocks", config_.pool_blocks);
+  telemetry_.set_info("tile_blocks", g.tile_blocks);
+  telemetry_.set_info("block_size", g.block_size);
+  telemetry_.set_info("bytes_per_block", g.bytes_per_block());
+}
+
+void Engine::set_layer_names(const std::vector<std::string>& names) {
+  AKV_CHECK_VALUE(static_cast<int64_t>(names.size()) == geometry().num_layers, "expected ", geometry().num_layers,
+                  " layer names, got ", names.size());
+  std::unordered_map<std::string, int64_t> m;
+  for (size_t i = 0; i < names.size(); ++i) {
+    AKV_CHECK_VALUE(m.emplace(names[i], static_cast<int64_t>(i)).second, "layer name '", names[i], "' repeats");
+  }
+  layer_names_ = std::move(m);
+}
+
+int64_t Engine::layer_index(const std::string& name) const {
+  auto it = layer_names_.find(name);
+  AKV_CHECK_VALUE(it != layer_names_.end(), "layer '", name, "' is not served by this ActiveKV engine");
+  return it->second;
+}
+
+void Engine::check_layer(int64_t layer) const {
+  AKV_CHECK_INDEX(layer >= 0 && layer < geometry().num_layers, "layer must be in [0, ", geometry().num_layers,
+                  "), got ", layer);
+}
+
+StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
+                       int64_t num_reqs, int64_t num_actual_tokens) {
+  check_index_tensor(query_start_loc, "query_start_loc", 1);
+  check_index_tensor(seq_lens, "seq_lens", 1);
+  check_index_tensor(block_table, "block_table", 2);
+  AKV_CHECK_VALUE(num_reqs >= 0, "num_reqs must be >= 0, got ", num_reqs);
+  AKV_CHECK_VALUE(num_actual_tokens >= 0, "num_actual_tokens must be >= 0, got ", num_actual_tokens);
+  AKV_CHECK_VALUE(query_start_loc.size(0) >= num_reqs + 1, "query_start_loc must have >= num_reqs + 1 = ",
+                  num_reqs + 1, " entries, got ", query_start_loc.size(0));
+  AKV_CHECK_VALUE(seq_lens.size(0) >= num_reqs, "seq_lens must have >= num_reqs = ", num_reqs, " entries, got ",
+                  seq_lens.size(0));
+  AKV_CHECK_VALUE(block_table.size(0) >= num_reqs, "block_table must have >= num_reqs = ", num_reqs,
+                  " rows, got ", block_table.size(0));
+  StepPlan p;
+  p.query_start_loc = query_start_loc.narrow(0, 0, num_reqs + 1).to(at::kCPU, at::kInt).contiguous().clone();
+  p.seq_lens = seq_lens.narrow(0, 0, num_reqs).to(at::kCPU, at::kInt).contiguous().clone();
+  p.block_table = block_table.narrow(0, 0, num_reqs).to(at::kCPU, at::kInt).contiguous().clone();
+  p.num_reqs = num_reqs;
+  p.num_actual_tokens = num_actual_tokens;
+  const int32_t* qsl = p.query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = p.seq_lens.data_ptr<int32_t>();
+  const int64_t width = p.block_table.size(1);
+  AKV_CHECK_VALUE(qsl[0] == 0, "query_start_loc[0] must be 0, got ", qsl[0]);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t lq = qsl[r + 1] - qsl[r];
+    AKV_CHECK_VALUE(lq >= 0, "query_start_loc must be non-decreasing, got ", qsl[r], " then ", qsl[r + 1],
+                    " at row ", r);
+    AKV_CHECK_VALUE(sl[r] >= lq, "seq_lens[", r, "] (", sl[r], ") must be >= the row's query tokens (", lq, ")");
+    AKV_CHECK_VALUE(geometry().blocks_for(sl[r]) <= width, "seq_lens[", r, "] = ", sl[r], " needs ",
+                    geometry().blocks_for(sl[r]), " blocks but block_table has ", width, " columns");
+  }
+  AKV_CHECK_VALUE(qsl[num_reqs] <= num_actual_tokens, "query_start_loc[num_reqs] (", qsl[num_reqs],
+                  ") must be <= num_actual_tokens (", num_actual_tokens, ")");
+  telemetry_.add(Counter::kBuildCalls);
+  telemetry_.add(Counter::kRequestRows, num_reqs);
+  p.build_id = telemetry_.get(Counter::kBuildCalls);
+  return p;
+}
+
+void Engine::update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping) {
+  check_layer(layer);
+  auto host = kv_.bind_host(layer, kv_cache, telemetry_);
+  telemetry_.add(Counter::kKvUpdateCalls);
+  kv_.write(layer, host, key, value, slot_mapping, telemetry_);
+}
+
+void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& query, const at::Tensor& kv_cache,
+                     const at::Tensor& output, double scale) {
+  const auto t0 = std::chrono::steady_clock::now();
+  check_layer(layer);
+  const auto& g = geometry();
+  const int64_t h = g.num_heads, d = g.head_size, bs = g.block_size, tb = g.tile_blocks;
+  const int32_t* qsl = plan.query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = plan.seq_lens.data_ptr<int32_t>();
+  const int64_t used = qsl[plan.num_reqs];
+  AKV_CHECK_TYPE(query.defined() && query.scalar_type() == g.dtype, "query must have dtype ", g.dtype, ", got ",
+                 query.defined() ? c10::toString(query.scalar_type()) : "None");
+  AKV_CHECK_VALUE(query.dim() == 3 && query.size(0) >= used && query.size(1) == h && query.size(2) == d,
+                  "query must be [>= ", used, ", ", h, ", ", d, "], got ", shape_str(query.sizes()));
+  AKV_CHECK_VALUE(query.device() == device_, "query must be on ", device_, ", got ", query.device());
+  AKV_CHECK_TYPE(output.defined() && output.scalar_type() == query.scalar_type(), "output must have dtype ",
+                 query.scalar_type(), ", got ", output.defined() ? c10::toString(output.scalar_type()) : "None");
+  const bool out_ok = (output.dim() == 3 && output.size(1) == h && output.size(2) == d) ||
+                      (output.dim() == 2 && output.size(1) == h * d);
+  AKV_CHECK_VALUE(out_ok && output.size(0) >= used && output.is_contiguous(), "output must be contiguous [>= ", used,
+                  ", ", h, ", ", d, "] or [>= ", used, ", ", h * d, "], got ", shape_str(output.sizes()));
+  AKV_CHECK_VALUE(output.device() == device_, "output must be on ", device_, ", got ", output.device());
+  auto host = kv_.bind_host(layer, kv_cache, telemetry_);
+  auto& L = kv_.layer(layer);
+  // Validate every block id the plan will touch before admitting any: nothing is half-applied on bad input.
+  const int64_t width = plan.block_table.size(1);
+  const int32_t* bt = plan.block_table.data_ptr<int32_t>();
+  for (int64_t r = 0; r < plan.num_reqs; ++r) {
+    if (qsl[r + 1] == qsl[r]) continue;
+    const int64_t nb = g.blocks_for(sl[r]);
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t b = bt[r * width + j];
+      AKV_CHECK_INDEX(b >= 0 && b < L.host_blocks, "block_table[", r, ", ", j, "] must be in [0, ", L.host_blocks,
+                      ") (the KV cache's blocks), got ", b);
+    }
+  }
+  telemetry_.add(Counter::kForwardCalls);
+  auto out3 = output.view({output.size(0), h, d});
+  int64_t admitted = 0;
+  for (int64_t r = 0; r < plan.num_reqs; ++r) {
+    const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
+    if (lq == 0) continue;
+    const int64_t nb = g.blocks_for(seq);
+    auto qg = group_query(query.narrow(0, q0, lq), g.num_kv_heads);
+    auto st = online_softmax_init(g.num_kv_heads, qg.size(1), d, device_);
+    const auto tiles = exact_tiles(bt + r * width, nb, tb);
+    for (size_t ti = 0; ti < tiles.size(); ++ti) {
+      const auto& blocks = tiles[ti];
+      auto adm = admit_tile(L, blocks, clock_);
+      TilePins pins{L, adm.slots};
+      if (!adm.miss_blocks.empty()) {
+        const int64_t bytes = copy_blocks(host, L.pool, adm.miss_blocks, adm.miss_slots);
+        telemetry_.add(Counter::kBytesH2D, bytes);
+        telemetry_.add(Counter::kBlocksAdmitted, static_cast<int64_t>(adm.miss_blocks.size()));
+        admitted += static_cast<int64_t>(adm.miss_blocks.size());
+      }
+      telemetry_.add(Counter::kBlocksHit, adm.hits);
+      telemetry_.add(Counter::kBlocksEvicted, adm.evicted);
+      auto tile = L.pool.index_select(0, index_tensor(adm.slots, device_));  // [n, KVH, 2, bs, D]
+      const int64_t n = static_cast<int64_t>(blocks.size());
+      auto mask = tile_mask(seq - lq, lq, static_cast<int64_t>(ti) * tb * bs, n * bs, device_);
+      online_softmax_tile(st, qg, tile, mask, scale);
+      telemetry_.add(Counter::kTilesComputed);
+    }
+    out3.narrow(0, q0, lq).copy_(ungroup_output(online_softmax_finish(st), lq));
+  }
+  telemetry_.observe_blocks_admitted(admitted);
+  const auto us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  telemetry_.observe_forward_latency_us(us);
+}
+
+}  // namespace activekv

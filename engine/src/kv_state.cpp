@@ -1,0 +1,151 @@
+#include <activekv/check.h>
+#include <activekv/kv_state.h>
+
+#include <limits>
+
+namespace activekv {
+
+namespace {
+at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device) {
+  auto t = at::empty({static_cast<int64_t>(ids.size())}, at::TensorOptions().dtype(at::kLong));
+  std::copy(ids.begin(), ids.end(), t.data_ptr<int64_t>());
+  return t.to(device);
+}
+constexpr float kInf = std::numeric_limits<float>::infinity();
+}  // namespace
+
+KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device)
+    : g_(g), pool_blocks_(pool_blocks), device_(device) {
+  AKV_CHECK_VALUE(pool_blocks >= 1, "pool_blocks must be >= 1, got ", pool_blocks);
+  layers_.resize(g.num_layers);
+  for (auto& l : layers_) {
+    l.pool = at::zeros(g.kv_cache_shape(pool_blocks), at::TensorOptions().dtype(g.dtype).device(device));
+    l.block_of_slot.assign(pool_blocks, -1);
+    l.last_use.assign(pool_blocks, 0);
+    l.pins.assign(pool_blocks, 0);
+  }
+}
+
+LayerState& KVState::layer(int64_t index) {
+  AKV_CHECK_INDEX(index >= 0 && index < g_.num_layers, "layer must be in [0, ", g_.num_layers, "), got ", index);
+  return layers_[index];
+}
+
+const LayerState& KVState::layer(int64_t index) const {
+  AKV_CHECK_INDEX(index >= 0 && index < g_.num_layers, "layer must be in [0, ", g_.num_layers, "), got ", index);
+  return layers_[index];
+}
+
+void KVState::reset_layer(int64_t index) {
+  auto& l = layer(index);
+  std::fill(l.slot_of_block.begin(), l.slot_of_block.end(), -1);
+  std::fill(l.block_of_slot.begin(), l.block_of_slot.end(), -1);
+  std::fill(l.last_use.begin(), l.last_use.end(), 0);
+  std::fill(l.pins.begin(), l.pins.end(), 0);
+}
+
+at::Tensor KVState::bind_host(int64_t index, const at::Tensor& kv_cache, Telemetry& t) {
+  auto& l = layer(index);
+  auto host = as_block_layout(g_, kv_cache, "kv_cache");
+  AKV_CHECK_VALUE(host.device() == device_, "kv_cache must be on ", device_, " (the engine's device), got ",
+                  host.device());
+  const int64_t nb = host.size(0);
+  if (l.host_data != host.data_ptr() || l.host_blocks != nb) {
+    if (l.host_data != nullptr) t.add(Counter::kHostRebinds);
+    l.host_data = host.data_ptr();
+    l.host_blocks = nb;
+    l.slot_of_block.assign(nb, -1);
+    reset_layer(index);
+    auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+    l.key_min = at::full({nb, g_.num_kv_heads, g_.head_size}, kInf, f32);
+    l.key_max = at::full({nb, g_.num_kv_heads, g_.head_size}, -kInf, f32);
+  }
+  return host;
+}
+
+void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key, const at::Tensor& value,
+                    const at::Tensor& slot_mapping, Telemetry& t) {
+  auto& l = layer(index);
+  const int64_t kvh = g_.num_kv_heads, d = g_.head_size, bs = g_.block_size;
+  for (const auto& [name, x] : {std::pair<const char*, const at::Tensor*>{"key", &key}, {"value", &value}}) {
+    AKV_CHECK_TYPE(x->defined(), name, " must be a tensor, got None");
+    AKV_CHECK_TYPE(x->scalar_type() == g_.dtype, name, " must have dtype ", g_.dtype, ", got ", x->scalar_type());
+    AKV_CHECK_VALUE(x->dim() == 3 && x->size(1) == kvh && x->size(2) == d, name, " must be [num_tokens, ", kvh, ", ",
+                    d, "], got ", shape_str(x->sizes()));
+    AKV_CHECK_VALUE(x->device() == device_, name, " must be on ", device_, ", got ", x->device());
+  }
+  AKV_CHECK_VALUE(key.size(0) == value.size(0), "key and value must have the same number of tokens, got ",
+                  key.size(0), " and ", value.size(0));
+  AKV_CHECK_TYPE(slot_mapping.defined() && (slot_mapping.scalar_type() == at::kLong ||
+                                            slot_mapping.scalar_type() == at::kInt),
+                 "slot_mapping must be an int64 or int32 tensor, got ",
+                 slot_mapping.defined() ? c10::toString(slot_mapping.scalar_type()) : "None");
+  AKV_CHECK_VALUE(slot_mapping.dim() == 1, "slot_mapping must be 1-D [num_tokens], got ",
+                  shape_str(slot_mapping.sizes()));
+  const int64_t n = slot_mapping.size(0);
+  AKV_CHECK_VALUE(n <= key.size(0), "slot_mapping has ", n, " entries but key holds only ", key.size(0), " tokens");
+
+  // Validate every slot before writing anything: a bad entry leaves both tiers as they were.
+  auto sm = slot_mapping.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* sp = sm.data_ptr<int64_t>();
+  const int64_t num_slots = l.host_blocks * bs;
+  std::vector<int64_t> tok, blk, off, reset;
+  int64_t padding = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = sp[i];
+    if (s == -1) {  // vLLM's PAD_SLOT_ID
+      ++padding;
+      continue;
+    }
+    AKV_CHECK_INDEX(s >= 0 && s < num_slots, "slot_mapping[", i, "] must be -1 (padding) or in [0, ", num_slots,
+                    "), got ", s);
+    tok.push_back(i);
+    blk.push_back(s / bs);
+    off.push_back(s % bs);
+    if (s % bs == 0) reset.push_back(s / bs);
+  }
+  t.add(Counter::kPaddingSlots, padding);
+  if (tok.empty()) return;
+
+  const int64_t nt = static_cast<int64_t>(tok.size());
+  auto blk_t = index_tensor(blk, device_);
+  auto off_t = index_tensor(off, device_);
+  using at::indexing::Slice;
+  auto k = key.index_select(0, index_tensor(tok, device_));    // [N, KVH, D]
+  auto v = value.index_select(0, index_tensor(tok, device_));  // [N, KVH, D]
+  host.select(2, 0).index_put_({blk_t, Slice(), off_t}, k);
+  host.select(2, 1).index_put_({blk_t, Slice(), off_t}, v);
+  t.add(Counter::kTokensWritten, nt);
+
+  // Write-through: a resident copy of a written block gets the same tokens, so the pool never serves stale KV.
+  std::vector<int64_t> wt_pos, wt_slot, wt_off;
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t s = l.slot_of_block[blk[i]];
+    if (s >= 0) {
+      wt_pos.push_back(i);
+      wt_slot.push_back(s);
+      wt_off.push_back(off[i]);
+    }
+  }
+  if (!wt_pos.empty()) {
+    auto pos = index_tensor(wt_pos, device_);
+    auto slot_t = index_tensor(wt_slot, device_);
+    auto woff_t = index_tensor(wt_off, device_);
+    l.pool.select(2, 0).index_put_({slot_t, Slice(), woff_t}, k.index_select(0, pos));
+    l.pool.select(2, 1).index_put_({slot_t, Slice(), woff_t}, v.index_select(0, pos));
+    t.add(Counter::kWriteThroughTokens, static_cast<int64_t>(wt_pos.size()));
+  }
+
+  // Per-block key metadata [num_blocks, KVH, D]: a write at offset 0 starts a fresh fill of the block.
+  if (!reset.empty()) {
+    auto reset_t = index_tensor(reset, device_);
+    l.key_min.index_fill_(0, reset_t, kInf);
+    l.key_max.index_fill_(0, reset_t, -kInf);
+  }
+  auto kf = k.to(at::kFloat).reshape({nt, kvh * d});
+  auto scatter_index = blk_t.unsqueeze(1).expand({nt, kvh * d});
+  l.key_min.view({l.host_blocks, kvh * d}).scatter_reduce_(0, scatter_index, kf, "amin", true);
+  l.key_max.view({l.host_blocks, kvh * d}).scatter_reduce_(0, scatter_index, kf, "amax", true);
+}
+
+}  // namespace activekv
