@@ -7,7 +7,7 @@ TORCH_VERSION := 2.13.0
 VLLM_VERSION := 0.32.0
 STAMP := $(VENV)/.activekv-venv-$(TORCH_VERSION)-$(VLLM_VERSION)
 # pip prints one warning per missing local index folder; keep the log readable.
-PIPQ := 2>&1 | grep -v "^WARNING: Location" || true
+PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 PYTEST_ARGS ?=
 
 .PHONY: help venv build test demo bench patch-vllm unpatch-vllm clean
@@ -29,9 +29,9 @@ $(STAMP):
 	touch $(STAMP)
 
 build: venv ## build the engine and bindings and install them into .venv (no build isolation)
-	$(PIP) install -q --no-build-isolation --no-deps . $(PIPQ)
+	set -o pipefail; $(PIP) install -q --no-build-isolation --no-deps . $(PIPQ)
 	@ln -sf $$(ls -d build/*/compile_commands.json | head -1) compile_commands.json
-	$(PY) -c "import activekv._backend as b; print('activekv', b.__version__, 'built against torch', b.torch_version)"
+	$(PY) -c "import torch, activekv._backend as b; print('activekv', b.__version__, 'built against torch', b.torch_version)"
 
 patch-vllm: venv ## apply the patch series to the vLLM installed in .venv (idempotent)
 	$(PY) -m tools.vllm_patch apply

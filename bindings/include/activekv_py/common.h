@@ -11,9 +11,22 @@ namespace activekv::py_glue {
 
 namespace py = pybind11;
 
+/// Every module converts tensors, dtypes and devices with torch's casters, which need torch's Python types to be
+/// initialised: without `import torch` first, the first conversion would crash the process. Fail the import with a
+/// clear ImportError instead. Reads sys.modules only; imports nothing.
+inline void require_torch_imported(const char* module) {
+  PyObject* modules = PySys_GetObject("modules");  // borrowed
+  if (modules == nullptr || !PyDict_Check(modules) || PyDict_GetItemString(modules, "torch._C") == nullptr) {
+    throw py::import_error(std::string(module) +
+                           " needs torch: run `import torch` before importing it (its tensors, dtypes and devices are "
+                           "torch's)");
+  }
+}
+
 /// c10::TypeError -> TypeError, c10::ValueError -> ValueError, c10::IndexError -> IndexError,
 /// c10::NotImplementedError -> NotImplementedError, other c10::Error -> RuntimeError; messages without backtraces.
 inline void register_exceptions(py::module_& m) {
+  require_torch_imported(py::str(m.attr("__name__")).cast<std::string>().c_str());
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);

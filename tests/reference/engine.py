@@ -1,0 +1,280 @@
+"""Reference engine: mirrors engine/src/{geometry,kv_state,admission,transfer,attention,engine}.cpp op for op.
+
+KV-cache layout (frozen): ``[num_blocks, num_kv_heads, 2, block_size, head_size]`` (2: 0 = K, 1 = V).
+Counters use the native snapshot's names, so a snapshot and ``RefEngine.counters`` compare key by key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Counters that are exact event counts (compared bit for bit); the native snapshot also carries histograms and info.
+COUNTERS = (
+    "build_calls",
+    "kv_update_calls",
+    "forward_calls",
+    "forward_skipped",
+    "request_rows",
+    "tokens_written",
+    "padding_slots",
+    "write_through_tokens",
+    "blocks_admitted",
+    "blocks_evicted",
+    "blocks_hit",
+    "bytes_h2d",
+    "bytes_d2h",
+    "tiles_computed",
+    "host_rebinds",
+)
+
+
+@dataclass
+class RefPlan:
+    """A step plan: query_start_loc [B + 1], seq_lens [B], block_table [B, W], all int32 on CPU."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    num_reqs: int
+    num_actual_tokens: int
+
+
+@dataclass
+class RefLayer:
+    pool: torch.Tensor
+    key_min: torch.Tensor | None = None
+    key_max: torch.Tensor | None = None
+    host_data: int = 0
+    host_blocks: int = 0
+    slot_of_block: list[int] = field(default_factory=list)
+    block_of_slot: list[int] = field(default_factory=list)
+    last_use: list[int] = field(default_factory=list)
+    pins: list[int] = field(default_factory=list)
+
+
+def group_query(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[Lq, H, D] -> float32 [KVH, G * Lq, D] (attention.cpp group_query)."""
+    lq, h, d = q.shape
+    g = h // num_kv_heads
+    return q.to(torch.float32).reshape(lq, num_kv_heads, g, d).permute(1, 2, 0, 3).reshape(num_kv_heads, g * lq, d)
+
+
+def ungroup_output(out: torch.Tensor, num_q_tokens: int) -> torch.Tensor:
+    """[KVH, G * Lq, D] -> [Lq, H, D] (attention.cpp ungroup_output)."""
+    kvh, rows, d = out.shape
+    g = rows // num_q_tokens
+    return out.view(kvh, g, num_q_tokens, d).permute(2, 0, 1, 3).reshape(num_q_tokens, kvh * g, d)
+
+
+def tile_mask(first_query_pos: int, num_q_tokens: int, key_start: int, num_keys: int) -> torch.Tensor:
+    """bool [Lq, num_keys]: True where key_pos > query_pos (attention.cpp tile_mask)."""
+    qpos = torch.arange(first_query_pos, first_query_pos + num_q_tokens, dtype=torch.int64)
+    kpos = torch.arange(key_start, key_start + num_keys, dtype=torch.int64)
+    return kpos.unsqueeze(0).gt(qpos.unsqueeze(1))
+
+
+def online_softmax_init(kvh: int, rows: int, d: int) -> list[torch.Tensor]:
+    return [
+        torch.full((kvh, rows, 1), float("-inf"), dtype=torch.float32),
+        torch.zeros((kvh, rows, 1), dtype=torch.float32),
+        torch.zeros((kvh, rows, d), dtype=torch.float32),
+    ]
+
+
+def online_softmax_tile(st: list[torch.Tensor], qg: torch.Tensor, tile: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> None:
+    """Fold one tile [n, KVH, 2, bs, D] into st = [m, l, acc] (attention.cpp online_softmax_tile)."""
+    kvh, rows, d = qg.shape
+    n, bs = tile.shape[0], tile.shape[3]
+    lq = mask.shape[0]
+    g = rows // lq
+    k = tile.select(2, 0).permute(1, 0, 2, 3).reshape(kvh, n * bs, d).to(torch.float32)
+    v = tile.select(2, 1).permute(1, 0, 2, 3).reshape(kvh, n * bs, d).to(torch.float32)
+    s = torch.matmul(qg, k.transpose(1, 2))
+    s.mul_(scale)
+    s.view(kvh, g, lq, n * bs).masked_fill_(mask, float("-inf"))
+    m, l, acc = st
+    m_new = torch.maximum(m, s.amax(-1, True))
+    m_safe = m_new.masked_fill(m_new.isneginf(), 0.0)
+    p = torch.sub(s, m_safe).exp_()
+    alpha = torch.sub(m, m_safe).exp_()
+    st[1] = torch.add(torch.mul(l, alpha), p.sum(-1, True))
+    st[2] = torch.add(torch.mul(acc, alpha), torch.matmul(p, v))
+    st[0] = m_new
+
+
+def tiled_attention(q: torch.Tensor, kv: torch.Tensor, seq_len: int, tile_blocks: int, scale: float) -> torch.Tensor:
+    """One request row over a block-layout KV without a pool (attention.cpp tiled_attention)."""
+    lq = q.shape[0]
+    kvh, bs = kv.shape[1], kv.shape[3]
+    qg = group_query(q, kvh)
+    st = online_softmax_init(kvh, qg.shape[1], q.shape[2])
+    nb = (seq_len + bs - 1) // bs
+    for start in range(0, nb, tile_blocks):
+        n = min(nb, start + tile_blocks) - start
+        mask = tile_mask(seq_len - lq, lq, start * bs, n * bs)
+        online_softmax_tile(st, qg, kv.narrow(0, start, n), mask, scale)
+    return ungroup_output(torch.div(st[2], st[1]), lq)
+
+
+class RefEngine:
+    """Exact-mode reference of activekv._backend.Engine (CPU)."""
+
+    def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+                 dtype: torch.dtype, pool_blocks: int, tile_blocks: int) -> None:
+        self.num_layers, self.num_heads, self.num_kv_heads = num_layers, num_heads, num_kv_heads
+        self.head_size, self.block_size, self.dtype = head_size, block_size, dtype
+        self.pool_blocks, self.tile_blocks = pool_blocks, tile_blocks
+        self.counters = {name: 0 for name in COUNTERS}
+        self.clock = 0
+        shape = (pool_blocks, num_kv_heads, 2, block_size, head_size)
+        self.layers = [
+            RefLayer(pool=torch.zeros(shape, dtype=dtype), block_of_slot=[-1] * pool_blocks,
+                     last_use=[0] * pool_blocks, pins=[0] * pool_blocks)
+            for _ in range(num_layers)
+        ]
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_kv_heads * 2 * self.block_size * self.head_size * elem
+
+    def blocks_for(self, length: int) -> int:
+        return (length + self.block_size - 1) // self.block_size
+
+    def _host(self, layer: int, kv_cache: torch.Tensor) -> torch.Tensor:
+        """kv_state.cpp bind_host."""
+        nb = kv_cache.shape[0]
+        host = kv_cache.view(nb, self.num_kv_heads, 2, self.block_size, self.head_size)
+        lay = self.layers[layer]
+        if lay.host_data != host.data_ptr() or lay.host_blocks != nb:
+            if lay.host_data != 0:
+                self.counters["host_rebinds"] += 1
+            lay.host_data, lay.host_blocks = host.data_ptr(), nb
+            lay.slot_of_block = [-1] * nb
+            lay.block_of_slot = [-1] * self.pool_blocks
+            lay.last_use = [0] * self.pool_blocks
+            lay.pins = [0] * self.pool_blocks
+            lay.key_min = torch.full((nb, self.num_kv_heads, self.head_size), float("inf"), dtype=torch.float32)
+            lay.key_max = torch.full((nb, self.num_kv_heads, self.head_size), float("-inf"), dtype=torch.float32)
+        return host
+
+    def build(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+              num_actual_tokens: int, num_reqs: int | None = None) -> RefPlan:
+        n = seq_lens.shape[0] if num_reqs is None else num_reqs
+        self.counters["build_calls"] += 1
+        self.counters["request_rows"] += n
+        return RefPlan(query_start_loc[: n + 1].to(torch.int32).clone(), seq_lens[:n].to(torch.int32).clone(),
+                       block_table[:n].to(torch.int32).clone(), n, num_actual_tokens)
+
+    def update_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+        """engine.cpp update_kv + kv_state.cpp write."""
+        host = self._host(layer, kv_cache)
+        lay = self.layers[layer]
+        self.counters["kv_update_calls"] += 1
+        bs = self.block_size
+        tok, blk, off, reset = [], [], [], []
+        for i, s in enumerate(slot_mapping.to(torch.int64).tolist()):
+            if s == -1:
+                self.counters["padding_slots"] += 1
+                continue
+            tok.append(i)
+            blk.append(s // bs)
+            off.append(s % bs)
+            if s % bs == 0:
+                reset.append(s // bs)
+        if not tok:
+            return
+        nt = len(tok)
+        blk_t = torch.tensor(blk, dtype=torch.int64)
+        off_t = torch.tensor(off, dtype=torch.int64)
+        k = key.index_select(0, torch.tensor(tok, dtype=torch.int64))
+        v = value.index_select(0, torch.tensor(tok, dtype=torch.int64))
+        host.select(2, 0)[blk_t, :, off_t] = k
+        host.select(2, 1)[blk_t, :, off_t] = v
+        self.counters["tokens_written"] += nt
+        wt = [(i, lay.slot_of_block[b], off[i]) for i, b in enumerate(blk) if lay.slot_of_block[b] >= 0]
+        if wt:
+            pos = torch.tensor([w[0] for w in wt], dtype=torch.int64)
+            slot_t = torch.tensor([w[1] for w in wt], dtype=torch.int64)
+            woff_t = torch.tensor([w[2] for w in wt], dtype=torch.int64)
+            lay.pool.select(2, 0)[slot_t, :, woff_t] = k.index_select(0, pos)
+            lay.pool.select(2, 1)[slot_t, :, woff_t] = v.index_select(0, pos)
+            self.counters["write_through_tokens"] += len(wt)
+        if reset:
+            reset_t = torch.tensor(reset, dtype=torch.int64)
+            lay.key_min.index_fill_(0, reset_t, float("inf"))
+            lay.key_max.index_fill_(0, reset_t, float("-inf"))
+        kvd = self.num_kv_heads * self.head_size
+        kf = k.to(torch.float32).reshape(nt, kvd)
+        index = blk_t.unsqueeze(1).expand(nt, kvd)
+        lay.key_min.view(lay.host_blocks, kvd).scatter_reduce_(0, index, kf, "amin", include_self=True)
+        lay.key_max.view(lay.host_blocks, kvd).scatter_reduce_(0, index, kf, "amax", include_self=True)
+
+    def _admit(self, lay: RefLayer, blocks: list[int]) -> tuple[list[int], list[int], list[int], int, int]:
+        """admission.cpp admit_tile: lowest free slot, else LRU unpinned (lowest slot on a tie)."""
+        slots, miss_b, miss_s, hits, evicted = [], [], [], 0, 0
+        for b in blocks:
+            s = lay.slot_of_block[b]
+            if s >= 0:
+                hits += 1
+            else:
+                free = [i for i, x in enumerate(lay.block_of_slot) if x < 0]
+                if free:
+                    s = free[0]
+                else:
+                    s = -1
+                    for i in range(self.pool_blocks):
+                        if lay.pins[i] == 0 and (s < 0 or lay.last_use[i] < lay.last_use[s]):
+                            s = i
+                    lay.slot_of_block[lay.block_of_slot[s]] = -1
+                    evicted += 1
+                lay.block_of_slot[s] = b
+                lay.slot_of_block[b] = s
+                miss_b.append(b)
+                miss_s.append(s)
+            self.clock += 1
+            lay.last_use[s] = self.clock
+            lay.pins[s] += 1
+            slots.append(s)
+        return slots, miss_b, miss_s, hits, evicted
+
+    def forward(self, layer: int, plan: RefPlan, query: torch.Tensor, kv_cache: torch.Tensor,
+                output: torch.Tensor, scale: float) -> None:
+        """engine.cpp forward."""
+        host = self._host(layer, kv_cache)
+        lay = self.layers[layer]
+        self.counters["forward_calls"] += 1
+        out3 = output.view(output.shape[0], self.num_heads, self.head_size)
+        qsl, sl, bt = plan.query_start_loc.tolist(), plan.seq_lens.tolist(), plan.block_table
+        tb, bs = self.tile_blocks, self.block_size
+        for r in range(plan.num_reqs):
+            q0, lq, seq = qsl[r], qsl[r + 1] - qsl[r], sl[r]
+            if lq == 0:
+                continue
+            nb = self.blocks_for(seq)
+            qg = group_query(query.narrow(0, q0, lq), self.num_kv_heads)
+            st = online_softmax_init(self.num_kv_heads, qg.shape[1], self.head_size)
+            row = bt[r, :nb].tolist()
+            for ti, start in enumerate(range(0, nb, tb)):
+                blocks = row[start:start + tb]
+                slots, miss_b, miss_s, hits, evicted = self._admit(lay, blocks)
+                if miss_b:
+                    # transfer.cpp copy_blocks: one gather, one scatter.
+                    gathered = host.index_select(0, torch.tensor(miss_b, dtype=torch.int64))
+                    lay.pool.index_copy_(0, torch.tensor(miss_s, dtype=torch.int64), gathered)
+                    self.counters["bytes_h2d"] += len(miss_b) * self.bytes_per_block
+                    self.counters["blocks_admitted"] += len(miss_b)
+                self.counters["blocks_hit"] += hits
+                self.counters["blocks_evicted"] += evicted
+                tile = lay.pool.index_select(0, torch.tensor(slots, dtype=torch.int64))
+                n = len(blocks)
+                mask = tile_mask(seq - lq, lq, ti * tb * bs, n * bs)
+                online_softmax_tile(st, qg, tile, mask, scale)
+                self.counters["tiles_computed"] += 1
+                for s in slots:
+                    lay.pins[s] -= 1
+            out3.narrow(0, q0, lq).copy_(ungroup_output(torch.div(st[2], st[1]), lq))
