@@ -150,7 +150,8 @@ struct Builder {
 };
 
 at::Tensor cpu_attr(py::handle obj, const char* primary, const char* fallback) {
-  py::object v = py::hasattr(obj, primary) ? obj.attr(primary) : py::none();
+  py::object v = py::none();
+  if (py::hasattr(obj, primary)) v = obj.attr(primary);
   if (v.is_none()) v = obj.attr(fallback);
   return v.cast<at::Tensor>();
 }

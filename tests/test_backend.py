@@ -1,0 +1,228 @@
+"""activekv._backend: the engine's vLLM-facing entry points (Builder, Impl, StepPlan, Engine), driven with stand-ins
+shaped like vLLM 0.32.0's objects (KV-cache spec, VllmConfig, CommonAttentionMetadata, attention layer)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import activekv._backend as backend
+import activekv._telemetry as telemetry
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+H, KVH, D, BS = 4, 2, 32, 16
+# Output of one engine run against SDPA on the same K/V: float32 math in both, different summation order.
+SDPA_ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def vllm_config(options: dict | None = None, extra: object = None) -> SimpleNamespace:
+    model_config = SimpleNamespace(get_num_attention_heads=lambda parallel_config: H)
+    additional = extra if extra is not None else ({"activekv": options} if options is not None else {})
+    return SimpleNamespace(model_config=model_config, parallel_config=SimpleNamespace(), additional_config=additional)
+
+
+def spec(dtype: torch.dtype = torch.float32) -> SimpleNamespace:
+    return SimpleNamespace(block_size=BS, num_kv_heads=KVH, head_size=D, dtype=dtype, sliding_window=None)
+
+
+def common_metadata(qsl: list[int], seq_lens: list[int], table: list[list[int]], slot_mapping: list[int],
+                    causal: object = True) -> SimpleNamespace:
+    q = torch.tensor(qsl, dtype=torch.int32)
+    return SimpleNamespace(query_start_loc=q, query_start_loc_cpu=q, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                           block_table_tensor=torch.tensor(table, dtype=torch.int32),
+                           slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64), num_reqs=len(seq_lens),
+                           num_actual_tokens=qsl[-1], causal=causal)
+
+
+def sdpa_rows(q: torch.Tensor, cache: torch.Tensor, table: list[int], seq_len: int) -> torch.Tensor:
+    """Plain attention for one request row over its blocks: the accuracy yardstick (not the parity one)."""
+    kv = cache.view(cache.shape[0], KVH, 2, BS, D)[table].permute(2, 1, 0, 3, 4).reshape(2, KVH, -1, D)
+    k, v = kv[0, :, :seq_len].float(), kv[1, :, :seq_len].float()
+    lq = q.shape[0]
+    mask = torch.ones(lq, seq_len, dtype=torch.bool).tril(seq_len - lq)
+    out = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask,
+                                                           enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.fixture()
+def builder() -> backend.Builder:
+    return backend.Builder(spec(), LAYERS, vllm_config({"pool_blocks": 3, "tile_blocks": 2}), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_step_sequence_matches_sdpa_and_counts_entries(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    b = backend.Builder(spec(dtype), LAYERS, vllm_config({"pool_blocks": 3, "tile_blocks": 2}), torch.device("cpu"))
+    impl = backend.Impl(H, D, D ** -0.5, KVH, None, None, "auto", None, "decoder", None)
+    caches = [torch.zeros(16, KVH, BS, 2 * D, dtype=dtype) for _ in LAYERS]
+    layers = [SimpleNamespace(layer_name=n) for n in LAYERS]
+    # Two requests, physical blocks out of order; prefill 70 + 20 tokens, then one decode step each.
+    tables = [[9, 2, 14, 5, 0], [7, 3, 0, 0, 0]]
+    prompt = [70, 20]
+    steps = [([0, 70, 90], [70, 20]), ([0, 1, 2], [71, 21])]
+    before = b.engine.snapshot()
+    for qsl, seq_lens in steps:
+        slots = []
+        for r in range(2):
+            lq = qsl[r + 1] - qsl[r]
+            slots += [tables[r][p // BS] * BS + p % BS for p in range(seq_lens[r] - lq, seq_lens[r])]
+        cm = common_metadata(qsl, seq_lens, tables, slots)
+        plan = b.build(0, cm)
+        t = qsl[-1]
+        for layer, cache in zip(layers, caches):
+            q = torch.randn(t, H, D).to(dtype)
+            k, v = torch.randn(t, KVH, D).to(dtype), torch.randn(t, KVH, D).to(dtype)
+            impl.do_kv_cache_update(layer, k, v, cache, cm.slot_mapping)
+            out = torch.empty(t, H, D, dtype=dtype)
+            assert impl.forward(layer, q, k, v, cache, plan, out) is out
+            for r in range(2):
+                rows = slice(qsl[r], qsl[r + 1])
+                want = sdpa_rows(q[rows], cache, tables[r], seq_lens[r])
+                torch.testing.assert_close(out[rows].float(), want, atol=SDPA_ATOL[dtype], rtol=SDPA_ATOL[dtype])
+    snap = b.engine.snapshot()
+    assert snap["build_calls"] - before["build_calls"] == 2
+    assert snap["forward_calls"] == snap["kv_update_calls"] == 2 * len(LAYERS)
+    assert snap["tokens_written"] == (sum(prompt) + 2) * len(LAYERS)
+    assert snap["blocks_evicted"] > 0 and snap["blocks_admitted"] > 0
+
+
+def test_warmup_forward_without_metadata_leaves_output_untouched(builder: backend.Builder) -> None:
+    impl = backend.Impl(H, D, 0.1, KVH)
+    out = torch.full((3, H, D), 5.0)
+    q = torch.randn(3, H, D)
+    res = impl.forward(SimpleNamespace(layer_name=LAYERS[0]), q, q, q, torch.zeros(4, KVH, BS, 2 * D), None, out)
+    assert res is out and torch.equal(out, torch.full((3, H, D), 5.0))
+    snap = builder.engine.snapshot()
+    assert snap["forward_skipped"] == 1 and snap["forward_calls"] == 0
+
+
+@pytest.mark.parametrize(("options", "exc", "match"), [
+    ({"pool_blocks": 4, "bogus": 1}, ValueError, "unknown ActiveKV option.*bogus"),
+    ({"mode": "compressed"}, ValueError, "mode must be 'exact'"),
+    ({"pool_blocks": 2, "tile_blocks": 4}, ValueError, r"pool_blocks \(2\) must be >= tile_blocks \(4\)"),
+    ({"pool_blocks": "8"}, TypeError, "pool_blocks'\\] must be an int"),
+    ({"tile_blocks": 0}, ValueError, "tile_blocks'\\] must be >= 1"),
+])
+def test_builder_rejects_bad_options(options: dict, exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        backend.Builder(spec(), LAYERS, vllm_config(options), torch.device("cpu"))
+
+
+def test_builder_rejects_non_dict_options() -> None:
+    with pytest.raises(TypeError, match=r"additional_config\['activekv'\] must be a dict"):
+        backend.Builder(spec(), LAYERS, vllm_config(extra={"activekv": 3}), torch.device("cpu"))
+
+
+def test_builder_defaults_and_layer_registry() -> None:
+    b = backend.Builder(spec(), LAYERS, vllm_config(), torch.device("cpu"))
+    assert (b.engine.pool_blocks, b.engine.tile_blocks, b.engine.mode) == (256, 16, "exact")
+    assert [b.engine.layer_index(n) for n in LAYERS] == [0, 1]
+    with pytest.raises(ValueError, match="not served by this ActiveKV engine"):
+        b.engine.layer_index("model.layers.7.self_attn.attn")
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"alibi_slopes": [0.1]}, "ALiBi"),
+    ({"sliding_window": 128}, "sliding-window"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype 'auto' only"),
+    ({"logits_soft_cap": 30.0}, "soft-capping"),
+    ({"attn_type": "encoder_only"}, "decoder attention only"),
+    ({"kv_sharing_target_layer_name": "model.layers.0.self_attn.attn"}, "KV sharing"),
+    ({"sinks": torch.zeros(H)}, "attention sinks"),
+])
+def test_impl_rejects_unsupported_features(kwargs: dict, match: str) -> None:
+    with pytest.raises(NotImplementedError, match=match):
+        backend.Impl(H, D, 0.1, KVH, **kwargs)
+
+
+def test_impl_rejects_bad_head_counts() -> None:
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        backend.Impl(6, D, 0.1, 4)
+
+
+def test_build_rejects_non_causal_and_bad_metadata(builder: backend.Builder) -> None:
+    with pytest.raises(NotImplementedError, match="causal attention only"):
+        builder.build(0, common_metadata([0, 1], [1], [[0]], [0], causal=False))
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] \(1\) must be >= the row's query tokens \(2\)"):
+        builder.build(0, common_metadata([0, 2], [1], [[0]], [0, 1]))
+    with pytest.raises(ValueError, match="needs 2 blocks but block_table has 1 columns"):
+        builder.build(0, common_metadata([0, 1], [17], [[0]], [16]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        builder.build(0, common_metadata([0, 2, 1], [2, 2], [[0], [1]], [0, 1]))
+
+
+def test_forward_rejects_bad_inputs_without_side_effects(builder: backend.Builder) -> None:
+    impl = backend.Impl(H, D, 0.1, KVH)
+    layer = SimpleNamespace(layer_name=LAYERS[0])
+    cache = torch.zeros(4, KVH, BS, 2 * D)
+    plan = builder.build(0, common_metadata([0, 1], [1], [[9]], [0]))  # block 9 is outside a 4-block cache
+    q = torch.randn(1, H, D)
+    before = builder.engine.snapshot()
+    with pytest.raises(IndexError, match=r"block_table\[0, 0\] must be in \[0, 4\)"):
+        impl.forward(layer, q, q, q, cache, plan, torch.empty(1, H, D))
+    with pytest.raises(TypeError, match="attn_metadata must be an activekv StepPlan"):
+        impl.forward(layer, q, q, q, cache, {"not": "a plan"}, torch.empty(1, H, D))
+    with pytest.raises(TypeError, match="query must have dtype Float"):
+        impl.forward(layer, q.double(), q, q, cache, plan, torch.empty(1, H, D))
+    with pytest.raises(ValueError, match=r"kv_cache must be \[4, 2, 16, 64\]"):
+        impl.forward(layer, q, q, q, torch.zeros(4, KVH, BS, D), plan, torch.empty(1, H, D))
+    with pytest.raises(NotImplementedError, match="fused output quantization"):
+        impl.forward(layer, q, q, q, cache, plan, torch.empty(1, H, D), torch.ones(1))
+    with pytest.raises(TypeError, match="layer must be a vLLM attention layer"):
+        impl.forward(object(), q, q, q, cache, plan, torch.empty(1, H, D))
+    after = builder.engine.snapshot()
+    for key in ("forward_calls", "blocks_admitted", "tiles_computed"):
+        assert after[key] == before[key], key
+
+
+def test_kv_update_for_a_layer_without_engine_is_a_clear_error() -> None:
+    impl = backend.Impl(H, D, 0.1, KVH)
+    k = torch.zeros(1, KVH, D)
+    with pytest.raises(ValueError, match="no ActiveKV engine serves layer 'nowhere'"):
+        impl.do_kv_cache_update(SimpleNamespace(layer_name="nowhere"), k, k, torch.zeros(2, KVH, BS, 2 * D),
+                                torch.zeros(1, dtype=torch.int64))
+
+
+def test_engine_rejects_plan_of_another_engine() -> None:
+    args = (1, H, KVH, D, BS, torch.float32, 4, 2)
+    e1, e2 = backend.Engine(*args), backend.Engine(*args)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    plan = e1.build(one, torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="plan was built by another ActiveKV engine"):
+        e2.forward(0, plan, torch.zeros(1, H, D), torch.zeros(2, KVH, BS, 2 * D), torch.zeros(1, H, D), 0.1)
+
+
+def test_engines_keep_separate_state_and_telemetry() -> None:
+    args = (1, H, KVH, D, BS, torch.float32, 4, 2)
+    e1, e2 = backend.Engine(*args), backend.Engine(*args)
+    e1.update_kv(0, torch.ones(3, KVH, D), torch.ones(3, KVH, D), torch.zeros(2, KVH, BS, 2 * D),
+                 torch.arange(3, dtype=torch.int64))
+    assert e1.snapshot()["tokens_written"] == 3 and e2.snapshot()["tokens_written"] == 0
+    ids = {s["engine_id"] for s in telemetry.engine_snapshots()}
+    assert len(ids) >= 2
+
+
+def test_capabilities() -> None:
+    assert backend.name() == "ACTIVEKV"
+    assert backend.supported_dtypes() == [torch.float32, torch.bfloat16, torch.float16]
+    assert backend.supported_kv_cache_dtypes() == ["auto"]
+    assert 32 in backend.supported_head_sizes() and 128 in backend.supported_head_sizes()
+    assert backend.supported_block_sizes() == [16, 32, 64, 128]
+    assert not any(f() for f in (backend.supports_sliding_window, backend.supports_sink, backend.supports_non_causal,
+                                 backend.supports_kv_connector))
+    assert backend.supports_attn_type("decoder") and not backend.supports_attn_type("encoder")
+    assert backend.vllm_patch_version == "0.32.0"
+    assert backend.torch_version == torch.__version__
+
+
+def test_importing_a_module_before_torch_is_a_clear_import_error() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import activekv._backend"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "ImportError: activekv._backend needs torch" in proc.stderr
