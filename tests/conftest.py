@@ -1,0 +1,19 @@
+"""Shared pytest configuration: the `vllm` marker, and the repository root on sys.path so `tools.*` imports work
+under a bare `pytest` as well as `python -m pytest`. Fixtures live next to the tests that use them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "vllm: starts in-process vLLM engines on a local tiny model (deselect with -m 'not vllm')"
+    )

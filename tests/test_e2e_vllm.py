@@ -1,0 +1,174 @@
+"""End to end through vLLM 0.32.0: ActiveKV exact mode against stock CPU_ATTN on a tiny local Llama.
+
+Each configuration runs in one in-process engine, started once per module and shut down before the next starts
+(fixtures `cpu_attn_run` and `activekv_run`); the tests assert on what those runs recorded. The ActiveKV cases skip,
+with the reason, only when `activekv._backend` does not import or vLLM lacks the ACTIVEKV backend; the CPU_ATTN
+step-count check always runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tools.make_tiny_model import SPEC, make_tiny_model
+from tools.vllm_run import ACTIVEKV, CPU_ATTN, EngineConfig, Generation, VllmEngine, activekv_status, make_prompts
+
+pytestmark = pytest.mark.vllm
+
+PROMPT_LENGTHS = (37, 200, 513, 64)
+MAX_TOKENS = 32
+PROMPT_SEED = 0
+NUM_LAYERS = SPEC["num_hidden_layers"]
+# ActiveKV geometry: a pool of 8 blocks of 16 tokens (128 tokens) per layer, far below the longest context
+# (513 + 32 tokens = 35 blocks), so exact mode must stream contexts through the pool and evict.
+BLOCK_SIZE = 16
+EXACT = {"mode": "exact", "pool_blocks": 8, "tile_blocks": 4}
+# Logprob tolerance (float32). Two correct float32 attentions differ only in summation order. Measured here over these
+# prompts: vLLM CPU_ATTN against transformers' eager forward of the same weights, at most 2.9e-5 on the chosen tokens'
+# logprobs; ActiveKV exact against CPU_ATTN, 2.3e-5. The smallest top-1/top-2 logprob margin is 0.030. 1e-3 leaves
+# 30x room for rounding and stays 30x below that margin, so an error it admits could not flip a greedy token.
+LOGPROB_ATOL = 1e-3
+
+
+@dataclass
+class StockRun:
+    """CPU_ATTN generations plus the backend calls counted by wrapping vLLM's CPU_ATTN classes."""
+
+    gen: Generation
+    builds: int
+    forwards: int
+    forwards_without_metadata: int
+    kv_updates: int
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(make_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts(PROMPT_LENGTHS, SPEC["vocab_size"], PROMPT_SEED)
+
+
+def _counted_generate(
+    engine: VllmEngine, prompts: list[list[int]], max_tokens: int, logprobs: int
+) -> StockRun:
+    """Generate with vLLM's CPU_ATTN builder and impl wrapped to count their calls (the engine core is in-process)."""
+    from vllm.v1.attention.backends import cpu_attn
+
+    counts = {"build": 0, "forward": 0, "forward_none": 0, "kv_update": 0}
+    builder, impl = cpu_attn.CPUAttentionMetadataBuilder, cpu_attn.CPUAttentionBackendImpl
+    build, forward, kv_update = builder.build, impl.forward, impl.do_kv_cache_update
+
+    def counted_build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts["build"] += 1
+        return build(self, *args, **kwargs)
+
+    def counted_forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
+                        attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        counts["forward" if attn_metadata is not None else "forward_none"] += 1
+        return forward(self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+    def counted_kv_update(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counts["kv_update"] += 1
+        return kv_update(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builder, "build", counted_build)
+        mp.setattr(impl, "forward", counted_forward)
+        mp.setattr(impl, "do_kv_cache_update", counted_kv_update)
+        gen = engine.generate(prompts, max_tokens, logprobs)
+    return StockRun(gen, counts["build"], counts["forward"], counts["forward_none"], counts["kv_update"])
+
+
+@pytest.fixture(scope="module")
+def cpu_attn_run(tiny_model: str, prompts: list[list[int]]) -> dict[str, StockRun]:
+    """Stock CPU_ATTN (vLLM's CPU default block size): the 4-prompt batch x 32 tokens, and 1 prompt x 8 tokens."""
+    with VllmEngine(EngineConfig(tiny_model, backend=CPU_ATTN)) as engine:
+        return {
+            "batch": _counted_generate(engine, prompts, MAX_TOKENS, logprobs=2),
+            "single": _counted_generate(engine, prompts[:1], 8, logprobs=1),
+        }
+
+
+@pytest.fixture(scope="module")
+def activekv_run(tiny_model: str, prompts: list[list[int]], cpu_attn_run: dict[str, StockRun]) -> Generation:
+    """ActiveKV exact mode, pool smaller than every long context; starts after the CPU_ATTN engine has shut down."""
+    available, why = activekv_status()
+    if not available:
+        pytest.skip(why)
+    config = EngineConfig(tiny_model, backend=ACTIVEKV, activekv=EXACT, block_size=BLOCK_SIZE)
+    with VllmEngine(config) as engine:
+        return engine.generate(prompts, MAX_TOKENS, logprobs=2)
+
+
+@pytest.mark.parametrize(("run", "num_prompts", "max_tokens"), [("single", 1, 8), ("batch", 4, MAX_TOKENS)])
+def test_cpu_attn_vllm_steps_equal_forward_passes(
+    cpu_attn_run: dict[str, StockRun], run: str, num_prompts: int, max_tokens: int
+) -> None:
+    stock = cpu_attn_run[run]
+    prompt_tokens = sum(PROMPT_LENGTHS[:num_prompts])
+    assert stock.gen.steps == max_tokens  # one prefill step (all prompts together), then one step per token
+    assert stock.builds == stock.gen.steps
+    assert stock.forwards == NUM_LAYERS * stock.gen.steps
+    assert stock.kv_updates == NUM_LAYERS * stock.gen.steps
+    assert stock.forwards_without_metadata == 0
+    assert stock.gen.step_tokens == prompt_tokens + num_prompts * max_tokens
+    assert [len(t) for t in stock.gen.token_ids] == [max_tokens] * num_prompts
+
+
+def test_activekv_exact_tokens_equal_cpu_attn(activekv_run: Generation, cpu_attn_run: dict[str, StockRun]) -> None:
+    stock = cpu_attn_run["batch"].gen
+    assert [len(t) for t in activekv_run.token_ids] == [MAX_TOKENS] * len(PROMPT_LENGTHS)
+    for i, (got, want) in enumerate(zip(activekv_run.token_ids, stock.token_ids)):
+        assert got == want, f"prompt {i} ({PROMPT_LENGTHS[i]} tokens): ActiveKV {got} != CPU_ATTN {want}"
+
+
+def test_activekv_exact_logprobs_close_to_cpu_attn(
+    activekv_run: Generation, cpu_attn_run: dict[str, StockRun]
+) -> None:
+    stock = cpu_attn_run["batch"].gen
+    for i, (got, want) in enumerate(zip(activekv_run.logprobs, stock.logprobs)):
+        assert len(got) == len(want) == MAX_TOKENS
+        worst = max(abs(a - b) for a, b in zip(got, want))
+        assert worst <= LOGPROB_ATOL, f"prompt {i}: max |logprob diff| {worst:.3g} > {LOGPROB_ATOL}"
+
+
+def test_activekv_exact_streams_contexts_through_a_smaller_pool(activekv_run: Generation) -> None:
+    tel = activekv_run.telemetry
+    assert tel is not None
+    assert (max(PROMPT_LENGTHS) + MAX_TOKENS) > EXACT["pool_blocks"] * BLOCK_SIZE
+    assert tel["blocks_admitted"] > 0
+    assert tel["blocks_evicted"] > 0
+
+
+def test_activekv_native_calls_match_vllm_steps(activekv_run: Generation) -> None:
+    tel = activekv_run.telemetry
+    assert tel is not None
+    assert tel["num_layers"] == NUM_LAYERS  # one live engine serving both layers
+    assert activekv_run.steps == MAX_TOKENS
+    assert tel["build_calls"] == activekv_run.steps
+    assert tel["forward_calls"] == tel["num_layers"] * activekv_run.steps
+    assert tel["kv_update_calls"] == tel["num_layers"] * activekv_run.steps
+    assert tel["forward_skipped"] == 0
+
+
+def test_activekv_rejects_unknown_option_at_startup(tiny_model: str, cpu_attn_run: dict[str, StockRun]) -> None:
+    # cpu_attn_run first, so its engine has shut down; the engine this test starts must fail inside LLM(...).
+    available, why = activekv_status()
+    if not available:
+        pytest.skip(why)
+    config = EngineConfig(tiny_model, backend=ACTIVEKV, activekv={**EXACT, "bogus_key": 1}, block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="bogus_key"):
+        VllmEngine(config)
+
+
+def test_tiny_model_is_deterministic(tmp_path: Path, tiny_model: str) -> None:
+    again = make_tiny_model(tmp_path / "again")
+    for name in ("config.json", "model.safetensors"):
+        assert (again / name).read_bytes() == (Path(tiny_model) / name).read_bytes()
