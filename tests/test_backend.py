@@ -138,9 +138,11 @@ def test_impl_rejects_unsupported_features(kwargs: dict, match: str) -> None:
         backend.Impl(H, D, 0.1, KVH, **kwargs)
 
 
-def test_impl_rejects_bad_head_counts() -> None:
+def test_impl_rejects_bad_head_counts_and_sizes() -> None:
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         backend.Impl(6, D, 0.1, 4)
+    with pytest.raises(NotImplementedError, match="supports head sizes .* got 48"):
+        backend.Impl(H, 48, 0.1, KVH)
 
 
 def test_build_rejects_non_causal_and_bad_metadata(builder: backend.Builder) -> None:

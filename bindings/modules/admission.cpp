@@ -57,9 +57,13 @@ PYBIND11_MODULE(_admission, m) {
       .def(
           "release",
           [](PagePool& p, const std::vector<int64_t>& slots) {
-            for (int64_t s : slots)
-              TORCH_CHECK_VALUE(s >= 0 && s < static_cast<int64_t>(p.layer.pins.size()) && p.layer.pins[s] > 0,
-                                "slot ", s, " is not a pinned pool slot");
+            // Count repeats: a slot listed k times needs k pins, else release_tile's invariant fails half-way.
+            std::vector<int32_t> pins = p.layer.pins;
+            for (int64_t s : slots) {
+              TORCH_CHECK_VALUE(s >= 0 && s < static_cast<int64_t>(pins.size()) && pins[s] > 0, "slot ", s,
+                                " is not a pinned pool slot");
+              --pins[s];
+            }
             activekv::release_tile(p.layer, slots);
           },
           py::arg("slots"), "Unpin a tile's slots; ValueError for a slot that is not pinned.")

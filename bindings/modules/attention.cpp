@@ -1,5 +1,6 @@
 // activekv._attention: online-softmax tiled attention (engine/include/activekv/attention.h).
 #include <activekv/attention.h>
+#include <activekv/geometry.h>
 #include <activekv_py/common.h>
 
 namespace py = pybind11;
@@ -11,13 +12,35 @@ PYBIND11_MODULE(_attention, m) {
         py::arg("tile_blocks"), py::arg("scale"), py::call_guard<py::gil_scoped_release>(),
         "q [Lq, H, D], kv [nb, KVH, 2, bs, D] -> float32 [Lq, H, D]; the last Lq of seq_len positions attend "
         "causally.");
-  m.def("group_query", &activekv::group_query, py::arg("q"), py::arg("num_kv_heads"),
-        py::call_guard<py::gil_scoped_release>(), "[Lq, H, D] -> float32 [KVH, G * Lq, D].");
-  m.def("ungroup_output", &activekv::ungroup_output, py::arg("out"), py::arg("num_q_tokens"),
-        py::call_guard<py::gil_scoped_release>(), "[KVH, G * Lq, D] -> [Lq, H, D].");
+  // The engine calls these building blocks after tiled_attention/forward validated their inputs; exposed on their
+  // own, they are entry points and check here (a zero divisor would otherwise be SIGFPE, not an exception).
+  m.def(
+      "group_query",
+      [](const at::Tensor& q, int64_t num_kv_heads) {
+        TORCH_CHECK_VALUE(q.dim() == 3, "q must be [num_q_tokens, num_heads, head_size], got ",
+                          activekv::shape_str(q.sizes()));
+        TORCH_CHECK_VALUE(num_kv_heads > 0 && q.size(1) % num_kv_heads == 0, "num_heads (", q.size(1),
+                          ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
+        return activekv::group_query(q, num_kv_heads);
+      },
+      py::arg("q"), py::arg("num_kv_heads"), py::call_guard<py::gil_scoped_release>(),
+      "[Lq, H, D] -> float32 [KVH, G * Lq, D]; ValueError unless H is a multiple of num_kv_heads.");
+  m.def(
+      "ungroup_output",
+      [](const at::Tensor& out, int64_t num_q_tokens) {
+        TORCH_CHECK_VALUE(out.dim() == 3, "out must be [num_kv_heads, group_size * num_q_tokens, head_size], got ",
+                          activekv::shape_str(out.sizes()));
+        TORCH_CHECK_VALUE(num_q_tokens > 0 && out.size(1) % num_q_tokens == 0, "out rows (", out.size(1),
+                          ") must be a multiple of num_q_tokens (", num_q_tokens, ")");
+        return activekv::ungroup_output(out, num_q_tokens);
+      },
+      py::arg("out"), py::arg("num_q_tokens"), py::call_guard<py::gil_scoped_release>(),
+      "[KVH, G * Lq, D] -> [Lq, H, D]; ValueError unless the rows are a multiple of num_q_tokens.");
   m.def(
       "tile_mask",
       [](int64_t first_query_pos, int64_t num_q_tokens, int64_t key_start, int64_t num_keys) {
+        TORCH_CHECK_VALUE(num_q_tokens >= 0, "num_q_tokens must be >= 0, got ", num_q_tokens);
+        TORCH_CHECK_VALUE(num_keys >= 0, "num_keys must be >= 0, got ", num_keys);
         return activekv::tile_mask(first_query_pos, num_q_tokens, key_start, num_keys, at::kCPU);
       },
       py::arg("first_query_pos"), py::arg("num_q_tokens"), py::arg("key_start"), py::arg("num_keys"),

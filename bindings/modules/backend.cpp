@@ -6,6 +6,7 @@
 #include <activekv/engine.h>
 #include <activekv_py/common.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -108,7 +109,10 @@ Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object nu
   const int64_t kvh = num_kv_heads.is_none() ? num_heads : num_kv_heads.cast<int64_t>();
   TORCH_CHECK_VALUE(num_heads > 0 && kvh > 0 && num_heads % kvh == 0,
                     "num_heads must be a positive multiple of num_kv_heads, got ", num_heads, " and ", kvh);
-  TORCH_CHECK_VALUE(head_size > 0, "head_size must be > 0, got ", head_size);
+  const auto sizes = activekv::supported_head_sizes();
+  TORCH_CHECK_NOT_IMPLEMENTED(std::find(sizes.begin(), sizes.end(), head_size) != sizes.end(),
+                              "ActiveKV's vLLM backend supports head sizes ", c10::IntArrayRef(sizes), ", got ",
+                              head_size);
   return Impl{num_heads, head_size, scale, kvh, kv_cache_dtype, at};
 }
 

@@ -64,6 +64,9 @@ at::Tensor tiled_attention(const at::Tensor& q, const at::Tensor& kv, int64_t se
   AKV_CHECK_VALUE(kv.size(1) > 0 && q.size(1) % kv.size(1) == 0, "num_heads (", q.size(1),
                   ") must be a multiple of num_kv_heads (", kv.size(1), ")");
   AKV_CHECK_VALUE(tile_blocks > 0, "tile_blocks must be > 0, got ", tile_blocks);
+  AKV_CHECK_TYPE(q.is_floating_point() && kv.is_floating_point(), "q and kv must be floating-point tensors, got ",
+                 q.scalar_type(), " and ", kv.scalar_type());
+  AKV_CHECK_VALUE(kv.device() == q.device(), "kv must be on q's device ", q.device(), ", got ", kv.device());
   const int64_t lq = q.size(0), bs = kv.size(3);
   AKV_CHECK_VALUE(lq >= 1, "q must hold at least one query token, got ", shape_str(q.sizes()));
   AKV_CHECK_VALUE(lq <= seq_len && seq_len <= kv.size(0) * bs, "need num_q_tokens (", lq, ") <= seq_len (", seq_len,

@@ -61,7 +61,7 @@ at::Tensor online_softmax_finish(const OnlineSoftmax& st);
 /// @param seq_len context length (num_q_tokens <= seq_len <= num_blocks * block_size)
 /// @param tile_blocks blocks per tile (>= 1)
 /// @return [num_q_tokens, num_heads, head_size] float32
-/// @throws c10::ValueError on inconsistent shapes.
+/// @throws c10::ValueError on inconsistent shapes or devices; c10::TypeError on a non-floating-point q or kv.
 at::Tensor tiled_attention(const at::Tensor& q, const at::Tensor& kv, int64_t seq_len, int64_t tile_blocks,
                            double scale);
 

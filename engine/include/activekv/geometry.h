@@ -29,8 +29,8 @@ struct Geometry {
   at::ScalarType dtype = at::kFloat;  ///< KV dtype: float32, bfloat16 or float16
   int64_t tile_blocks = 1;   ///< blocks per attention tile
 
-  /// @throws c10::ValueError on a non-positive size, a head count that is not a multiple of the KV head count,
-  ///         or an unsupported dtype.
+  /// @throws c10::ValueError on a non-positive size or a head count that is not a multiple of the KV head count;
+  ///         c10::TypeError on an unsupported dtype.
   Geometry(int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
            at::ScalarType dtype, int64_t tile_blocks);
   Geometry() = default;

@@ -17,7 +17,8 @@ namespace activekv {
 /// @param dst [num_dst_blocks, ...] same trailing shape and dtype (e.g. the pool)
 /// @param src_ids, dst_ids equal-length block indices, in range for src and dst
 /// @return bytes copied
-/// @throws c10::ValueError on mismatched shapes, dtypes or lengths; c10::IndexError on an out-of-range id.
+/// @throws c10::ValueError on mismatched shapes or lengths; c10::TypeError on mismatched dtypes;
+///         c10::IndexError on an out-of-range id.
 int64_t copy_blocks(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                     const std::vector<int64_t>& dst_ids);
 

@@ -1,0 +1,258 @@
+"""activekv._telemetry: counters and histograms of the live engines in this process (bindings/modules/telemetry.cpp).
+
+Other test modules may leave engines alive in this process, so in-process checks compare deltas against a snapshot
+taken after gc; absolute values of the process-wide registry are checked in a fresh subprocess.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import activekv._backend as backend  # after torch: the modules' import guard needs it
+import activekv._kv_state as kv_state
+import activekv._telemetry as telemetry
+from tests.reference import engine as ref
+
+NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 2, 4, 2, 8, 4
+POOL_BLOCKS, TILE_BLOCKS = 4, 2
+NUM_BLOCKS = 6
+HISTOGRAMS = ("forward_latency_us", "blocks_admitted_per_forward")
+INFO = {"num_layers": NUM_LAYERS, "pool_blocks": POOL_BLOCKS, "tile_blocks": TILE_BLOCKS, "block_size": BLOCK_SIZE,
+        "bytes_per_block": NUM_KV_HEADS * 2 * BLOCK_SIZE * HEAD_SIZE * 4}
+
+
+def make_engine() -> backend.Engine:
+    return backend.Engine(NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, POOL_BLOCKS,
+                          TILE_BLOCKS)
+
+
+def drive(engine: backend.Engine, seq_len: int = 3 * BLOCK_SIZE - 1, padding: int = 2) -> torch.Tensor:
+    """One prefill step on layer 0 over a new KV cache: one KV update (seq_len tokens + padding entries), one build,
+    one forward. Returns the cache: the engine knows a host tier by its data pointer, so a caller that drives again
+    keeps it alive to get a new one (a freed cache's address may be handed out again)."""
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+    key = torch.randn(seq_len + padding, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    value = torch.randn(seq_len + padding, NUM_KV_HEADS, HEAD_SIZE, generator=gen)
+    engine.update_kv(0, key, value, cache, torch.tensor(list(range(seq_len)) + [-1] * padding))
+    nb = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    plan = engine.build(torch.tensor([0, seq_len], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32),
+                        torch.tensor([list(range(nb))], dtype=torch.int32), seq_len)
+    query = torch.randn(seq_len, NUM_HEADS, HEAD_SIZE, generator=gen)
+    output = torch.empty(seq_len, NUM_HEADS, HEAD_SIZE)
+    engine.forward(0, plan, query, cache, output, HEAD_SIZE**-0.5)
+    return cache
+
+
+def expected_counters(seq_len: int = 3 * BLOCK_SIZE - 1, padding: int = 2) -> dict[str, int]:
+    nb = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    counts = dict.fromkeys(telemetry.COUNTERS, 0)
+    counts.update(build_calls=1, kv_update_calls=1, forward_calls=1, request_rows=1, tokens_written=seq_len,
+                  padding_slots=padding, blocks_admitted=nb, bytes_h2d=nb * INFO["bytes_per_block"],
+                  tiles_computed=(nb + TILE_BLOCKS - 1) // TILE_BLOCKS)
+    return counts
+
+
+def counters(snapshot: dict) -> dict[str, int]:
+    return {name: snapshot.get(name, 0) for name in telemetry.COUNTERS}
+
+
+def live_ids() -> list[int]:
+    return [s["engine_id"] for s in telemetry.engine_snapshots()]
+
+
+def assert_histogram_shape(h: dict) -> None:
+    assert set(h) == {"le", "counts", "count", "sum"}
+    le, counts = h["le"], h["counts"]
+    assert len(le) == len(counts) == 24
+    assert all(a < b for a, b in zip(le, le[1:]))
+    assert le[0] == 1.0 and le[-2] == 2.0**22 and math.isinf(le[-1])
+    assert all(isinstance(c, int) and c >= 0 for c in counts)
+    assert h["count"] == sum(counts)
+
+
+# --- names and shapes ----------------------------------------------------------------------------------------------
+
+
+def test_counter_names() -> None:
+    assert isinstance(telemetry.COUNTERS, tuple)
+    assert telemetry.COUNTERS == ref.COUNTERS
+    assert len(set(telemetry.COUNTERS)) == len(telemetry.COUNTERS)
+
+
+def test_engine_snapshot_structure() -> None:
+    engine = make_engine()
+    snap = engine.snapshot()
+    assert set(snap) == set(telemetry.COUNTERS) | {"histograms", "info"}
+    assert counters(snap) == dict.fromkeys(telemetry.COUNTERS, 0)
+    assert set(snap["histograms"]) == set(HISTOGRAMS)
+    for h in snap["histograms"].values():
+        assert_histogram_shape(h)
+        assert h["count"] == 0 and h["sum"] == 0.0
+    assert snap["info"] == INFO
+
+
+@pytest.mark.parametrize(("seq_len", "admitted_bucket_le"), [(1, 1.0), (BLOCK_SIZE, 1.0), (BLOCK_SIZE + 1, 2.0),
+                                                             (3 * BLOCK_SIZE - 1, 4.0), (4 * BLOCK_SIZE, 4.0)])
+def test_counters_and_histograms_after_one_step(seq_len: int, admitted_bucket_le: float) -> None:
+    engine = make_engine()
+    drive(engine, seq_len=seq_len)
+    snap = engine.snapshot()
+    assert counters(snap) == expected_counters(seq_len=seq_len)
+    for h in snap["histograms"].values():
+        assert_histogram_shape(h)
+        assert h["count"] == 1
+    admitted = snap["histograms"]["blocks_admitted_per_forward"]
+    nb = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    assert admitted["sum"] == float(nb)
+    assert admitted["counts"][admitted["le"].index(admitted_bucket_le)] == 1
+    assert snap["histograms"]["forward_latency_us"]["sum"] > 0.0
+
+
+# --- the registry --------------------------------------------------------------------------------------------------
+
+
+def test_snapshot_sums_over_live_engines() -> None:
+    gc.collect()
+    base = telemetry.snapshot()
+    ids_before = set(live_ids())
+    first, second = make_engine(), make_engine()
+    drive(first)
+    total = telemetry.snapshot()
+    assert total["engines"] == base["engines"] + 2
+    expected = expected_counters()
+    assert {k: v - counters(base)[k] for k, v in counters(total).items()} == expected
+    assert counters(first.snapshot()) == expected
+    assert counters(second.snapshot()) == dict.fromkeys(telemetry.COUNTERS, 0)
+    # Info (static facts) sums too, and histograms merge bucket by bucket.
+    for key, value in INFO.items():
+        assert total["info"][key] - base["info"].get(key, 0) == 2 * value
+    for name in HISTOGRAMS:
+        assert_histogram_shape(total["histograms"][name])
+        base_count = base["histograms"][name]["count"] if base["histograms"] else 0
+        assert total["histograms"][name]["count"] - base_count == 1
+
+    new_ids = sorted(set(live_ids()) - ids_before)
+    assert len(new_ids) == 2
+    by_id = {s["engine_id"]: s for s in telemetry.engine_snapshots()}
+    first_snap, second_snap = by_id[new_ids[0]], by_id[new_ids[1]]   # creation order
+    assert counters(first_snap) == expected
+    assert counters(second_snap) == dict.fromkeys(telemetry.COUNTERS, 0)
+    assert first_snap["info"] == INFO
+    assert set(first_snap) == set(telemetry.COUNTERS) | {"histograms", "info", "engine_id"}
+
+
+def test_engine_snapshots_are_in_creation_order() -> None:
+    engines = [make_engine() for _ in range(3)]
+    ids = live_ids()
+    assert ids == sorted(ids)
+    assert len(set(ids)) == len(ids) >= len(engines)
+
+
+def test_released_engine_leaves_the_registry() -> None:
+    gc.collect()
+    base = telemetry.snapshot()
+    ids_before = set(live_ids())
+    engine = make_engine()
+    drive(engine)
+    (new_id,) = set(live_ids()) - ids_before
+    assert telemetry.snapshot()["engines"] == base["engines"] + 1
+    del engine
+    gc.collect()
+    assert new_id not in live_ids()
+    after = telemetry.snapshot()
+    assert after["engines"] == base["engines"]
+    assert counters(after) == counters(base)
+
+
+def test_a_step_plan_keeps_its_engine_alive() -> None:
+    gc.collect()
+    ids_before = set(live_ids())
+    engine = make_engine()
+    plan = engine.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                        torch.tensor([[0]], dtype=torch.int32), 1)
+    (new_id,) = set(live_ids()) - ids_before
+    del engine
+    gc.collect()
+    assert new_id in live_ids()
+    assert plan.num_reqs == 1
+    del plan
+    gc.collect()
+    assert new_id not in live_ids()
+
+
+def test_standalone_kv_state_is_not_registered() -> None:
+    gc.collect()
+    before = telemetry.snapshot()["engines"]
+    state = kv_state.KVState(1, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, 2)
+    assert telemetry.snapshot()["engines"] == before
+    assert state.counters()["tokens_written"] == 0
+
+
+def test_reset_telemetry_zeroes_counters_and_histograms() -> None:
+    engine, other = make_engine(), make_engine()
+    first_cache = drive(engine)
+    drive(other)
+    engine.reset_telemetry()
+    snap = engine.snapshot()
+    assert counters(snap) == dict.fromkeys(telemetry.COUNTERS, 0)
+    for h in snap["histograms"].values():
+        assert_histogram_shape(h)
+        assert h["count"] == 0 and h["sum"] == 0.0 and not any(h["counts"])
+    assert snap["info"] == INFO                       # static facts are not telemetry to reset
+    assert counters(other.snapshot()) == expected_counters()   # per engine: the other one keeps its counts
+    second_cache = drive(engine)                      # and counting resumes from zero
+    assert second_cache.data_ptr() != first_cache.data_ptr()
+    assert counters(engine.snapshot()) == {**expected_counters(), "host_rebinds": 1}
+
+
+FRESH_PROCESS = textwrap.dedent(
+    """
+    import gc
+    import sys
+
+    import torch
+
+    import activekv._backend as backend
+    import activekv._telemetry as telemetry
+
+    def fail(msg):
+        sys.exit(msg)
+
+    empty = telemetry.snapshot()
+    if empty != {"histograms": {}, "info": {}, "engines": 0}:
+        fail(f"no live engine, got {empty!r}")
+    if telemetry.engine_snapshots() != []:
+        fail("engine_snapshots not empty")
+    a = backend.Engine(1, 2, 1, 4, 4, torch.float32, 2, 1)
+    b = backend.Engine(1, 2, 1, 4, 4, torch.float32, 2, 1)
+    cache = torch.zeros(2, 1, 4, 8)
+    a.update_kv(0, torch.ones(3, 1, 4), torch.ones(3, 1, 4), cache, torch.tensor([0, 1, -1]))
+    b.update_kv(0, torch.ones(1, 1, 4), torch.ones(1, 1, 4), cache, torch.tensor([5]))
+    snap = telemetry.snapshot()
+    if (snap["engines"], snap["tokens_written"], snap["padding_slots"], snap["kv_update_calls"]) != (2, 3, 1, 2):
+        fail(f"sums over two engines, got {snap!r}")
+    if [s["engine_id"] for s in telemetry.engine_snapshots()] != [0, 1]:
+        fail("engine ids are not 0, 1 in creation order")
+    del a
+    gc.collect()
+    snap = telemetry.snapshot()
+    if (snap["engines"], snap["tokens_written"]) != (1, 1):
+        fail(f"after del, got {snap!r}")
+    if [s["engine_id"] for s in telemetry.engine_snapshots()] != [1]:
+        fail("engine 0 still registered")
+    """
+)
+
+
+def test_registry_in_a_fresh_process() -> None:
+    """Absolute values: empty registry, ids from 0, sums over exactly the live engines."""
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
