@@ -499,3 +499,34 @@ def test_rebind_through_the_engine_forgets_resident_blocks() -> None:
     assert engine.snapshot()["host_rebinds"] == 1
     assert engine.snapshot()["write_through_tokens"] == 0
     assert engine.resident(0) == {}
+
+
+def test_a_freed_cache_cannot_pass_for_a_new_one() -> None:
+    """The bound host tier is held, so a cache allocated after vLLM frees the old one never reuses its address and is
+    always seen as a rebind (a stale pool would otherwise serve the old cache's blocks)."""
+    state = make_state()
+    first = vllm_cache(torch.float32)
+    first_ptr = first.data_ptr()
+    state.bind_host(0, first)
+    del first
+    second = vllm_cache(torch.float32, seed=7)
+    assert second.data_ptr() != first_ptr
+    state.bind_host(0, second)
+    assert state.counters()["host_rebinds"] == 1
+
+
+def test_rejected_engine_update_neither_counts_nor_rebinds() -> None:
+    eng = backend.Engine(1, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, POOL_BLOCKS, 1)
+    bound = vllm_cache(torch.float32)
+    k, v = kv_tokens(2, torch.float32, seed=1)
+    eng.update_kv(0, k, v, bound, torch.tensor([0, 1]))
+    before = eng.snapshot()
+    other = vllm_cache(torch.float32, seed=3)
+    with pytest.raises(IndexError, match=r"slot_mapping\[1\] must be -1 \(padding\) or in \[0, 20\), got 20"):
+        eng.update_kv(0, k, v, other, torch.tensor([0, NUM_SLOTS]))
+    with pytest.raises(TypeError, match="key must have dtype Float"):
+        eng.update_kv(0, k.double(), v, other, torch.tensor([0, 1]))
+    after = eng.snapshot()
+    for name in ("kv_update_calls", "host_rebinds", "tokens_written"):
+        assert after[name] == before[name], name
+    assert torch.equal(other, vllm_cache(torch.float32, seed=3))

@@ -29,7 +29,9 @@ PYBIND11_MODULE(_kv_state, m) {
       .def(
           "bind_host",
           [](PyKVState& s, int64_t layer, const at::Tensor& kv_cache) {
-            return s.state.bind_host(layer, kv_cache, s.telemetry);
+            auto host = s.state.host_view(kv_cache);
+            s.state.bind_host(layer, host, s.telemetry);
+            return host;
           },
           py::arg("layer"), py::arg("kv_cache"), py::call_guard<py::gil_scoped_release>(),
           "Bind the layer's host tier; returns it as [num_blocks, num_kv_heads, 2, block_size, head_size].")
@@ -37,8 +39,7 @@ PYBIND11_MODULE(_kv_state, m) {
           "write",
           [](PyKVState& s, int64_t layer, const at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
              const at::Tensor& slot_mapping) {
-            auto host = s.state.bind_host(layer, kv_cache, s.telemetry);
-            s.state.write(layer, host, key, value, slot_mapping, s.telemetry);
+            s.state.write(layer, s.state.host_view(kv_cache), key, value, slot_mapping, s.telemetry);
           },
           py::arg("layer"), py::arg("kv_cache"), py::arg("key"), py::arg("value"), py::arg("slot_mapping"),
           py::call_guard<py::gil_scoped_release>(),

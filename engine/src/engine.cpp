@@ -107,9 +107,9 @@ StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_
 void Engine::update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
                        const at::Tensor& slot_mapping) {
   check_layer(layer);
-  auto host = kv_.bind_host(layer, kv_cache, telemetry_);
-  telemetry_.add(Counter::kKvUpdateCalls);
+  auto host = kv_.host_view(kv_cache);
   kv_.write(layer, host, key, value, slot_mapping, telemetry_);
+  telemetry_.add(Counter::kKvUpdateCalls);
 }
 
 void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& query, const at::Tensor& kv_cache,
@@ -133,8 +133,8 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   AKV_CHECK_VALUE(out_ok && output.size(0) >= used && output.is_contiguous(), "output must be contiguous [>= ", used,
                   ", ", h, ", ", d, "] or [>= ", used, ", ", h * d, "], got ", shape_str(output.sizes()));
   AKV_CHECK_VALUE(output.device() == device_, "output must be on ", device_, ", got ", output.device());
-  auto host = kv_.bind_host(layer, kv_cache, telemetry_);
-  auto& L = kv_.layer(layer);
+  auto host = kv_.host_view(kv_cache);
+  const int64_t host_blocks = host.size(0);
   // Validate every block id the plan will touch before admitting any: nothing is half-applied on bad input.
   const int64_t width = plan.block_table.size(1);
   const int32_t* bt = plan.block_table.data_ptr<int32_t>();
@@ -143,10 +143,12 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
     const int64_t nb = g.blocks_for(sl[r]);
     for (int64_t j = 0; j < nb; ++j) {
       const int64_t b = bt[r * width + j];
-      AKV_CHECK_INDEX(b >= 0 && b < L.host_blocks, "block_table[", r, ", ", j, "] must be in [0, ", L.host_blocks,
+      AKV_CHECK_INDEX(b >= 0 && b < host_blocks, "block_table[", r, ", ", j, "] must be in [0, ", host_blocks,
                       ") (the KV cache's blocks), got ", b);
     }
   }
+  kv_.bind_host(layer, host, telemetry_);
+  auto& L = kv_.layer(layer);
   telemetry_.add(Counter::kForwardCalls);
   auto out3 = output.view({output.size(0), h, d});
   int64_t admitted = 0;

@@ -44,28 +44,30 @@ void KVState::reset_layer(int64_t index) {
   std::fill(l.pins.begin(), l.pins.end(), 0);
 }
 
-at::Tensor KVState::bind_host(int64_t index, const at::Tensor& kv_cache, Telemetry& t) {
-  auto& l = layer(index);
+at::Tensor KVState::host_view(const at::Tensor& kv_cache) const {
   auto host = as_block_layout(g_, kv_cache, "kv_cache");
   AKV_CHECK_VALUE(host.device() == device_, "kv_cache must be on ", device_, " (the engine's device), got ",
                   host.device());
-  const int64_t nb = host.size(0);
-  if (l.host_data != host.data_ptr() || l.host_blocks != nb) {
-    if (l.host_data != nullptr) t.add(Counter::kHostRebinds);
-    l.host_data = host.data_ptr();
-    l.host_blocks = nb;
-    l.slot_of_block.assign(nb, -1);
-    reset_layer(index);
-    auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
-    l.key_min = at::full({nb, g_.num_kv_heads, g_.head_size}, kInf, f32);
-    l.key_max = at::full({nb, g_.num_kv_heads, g_.head_size}, -kInf, f32);
-  }
   return host;
+}
+
+void KVState::bind_host(int64_t index, const at::Tensor& host, Telemetry& t) {
+  auto& l = layer(index);
+  const int64_t nb = host.size(0);
+  if (l.host.defined() && l.host.data_ptr() == host.data_ptr() && l.host_blocks == nb) return;
+  if (l.host.defined()) t.add(Counter::kHostRebinds);
+  l.host = host;
+  l.host_blocks = nb;
+  l.slot_of_block.assign(nb, -1);
+  reset_layer(index);
+  auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+  l.key_min = at::full({nb, g_.num_kv_heads, g_.head_size}, kInf, f32);
+  l.key_max = at::full({nb, g_.num_kv_heads, g_.head_size}, -kInf, f32);
 }
 
 void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key, const at::Tensor& value,
                     const at::Tensor& slot_mapping, Telemetry& t) {
-  auto& l = layer(index);
+  layer(index);  // index check
   const int64_t kvh = g_.num_kv_heads, d = g_.head_size, bs = g_.block_size;
   for (const auto& [name, x] : {std::pair<const char*, const at::Tensor*>{"key", &key}, {"value", &value}}) {
     AKV_CHECK_TYPE(x->defined(), name, " must be a tensor, got None");
@@ -88,7 +90,7 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
   // Validate every slot before writing anything: a bad entry leaves both tiers as they were.
   auto sm = slot_mapping.to(at::kCPU, at::kLong).contiguous();
   const int64_t* sp = sm.data_ptr<int64_t>();
-  const int64_t num_slots = l.host_blocks * bs;
+  const int64_t num_slots = host.size(0) * bs;
   std::vector<int64_t> tok, blk, off, reset;
   int64_t padding = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -104,6 +106,9 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
     off.push_back(s % bs);
     if (s % bs == 0) reset.push_back(s / bs);
   }
+  // Every check passed: bind (possibly resetting a reallocated layer) and write.
+  bind_host(index, host, t);
+  auto& l = layer(index);
   t.add(Counter::kPaddingSlots, padding);
   if (tok.empty()) return;
 

@@ -46,7 +46,7 @@ class RefLayer:
     pool: torch.Tensor
     key_min: torch.Tensor | None = None
     key_max: torch.Tensor | None = None
-    host_data: int = 0
+    host: torch.Tensor | None = None
     host_blocks: int = 0
     slot_of_block: list[int] = field(default_factory=list)
     block_of_slot: list[int] = field(default_factory=list)
@@ -149,10 +149,10 @@ class RefEngine:
         nb = kv_cache.shape[0]
         host = kv_cache.view(nb, self.num_kv_heads, 2, self.block_size, self.head_size)
         lay = self.layers[layer]
-        if lay.host_data != host.data_ptr() or lay.host_blocks != nb:
-            if lay.host_data != 0:
+        if lay.host is None or lay.host.data_ptr() != host.data_ptr() or lay.host_blocks != nb:
+            if lay.host is not None:
                 self.counters["host_rebinds"] += 1
-            lay.host_data, lay.host_blocks = host.data_ptr(), nb
+            lay.host, lay.host_blocks = host, nb
             lay.slot_of_block = [-1] * nb
             lay.block_of_slot = [-1] * self.pool_blocks
             lay.last_use = [0] * self.pool_blocks

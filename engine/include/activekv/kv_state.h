@@ -18,8 +18,10 @@ struct LayerState {
   at::Tensor pool;      ///< [pool_blocks, num_kv_heads, 2, block_size, head_size], geometry dtype
   at::Tensor key_min;   ///< [host_blocks, num_kv_heads, head_size] float32, per-dimension key minimum of the block
   at::Tensor key_max;   ///< [host_blocks, num_kv_heads, head_size] float32, per-dimension key maximum of the block
-  const void* host_data = nullptr;  ///< identity of the bound host tier (its data pointer)
-  int64_t host_blocks = 0;          ///< blocks in the bound host tier
+  /// The bound host tier [host_blocks, num_kv_heads, 2, block_size, head_size], a view of vLLM's tensor. Holding it
+  /// keeps its storage alive, so a new KV cache can never reuse the address and pass for the bound one.
+  at::Tensor host;
+  int64_t host_blocks = 0;  ///< blocks in the bound host tier
   std::vector<int64_t> slot_of_block;  ///< [host_blocks] pool slot holding the block, -1 if not resident
   std::vector<int64_t> block_of_slot;  ///< [pool_blocks] block held by the slot, -1 if free
   std::vector<uint64_t> last_use;      ///< [pool_blocks] admission clock at the slot's last use (LRU)
@@ -38,15 +40,19 @@ class KVState {
   LayerState& layer(int64_t index);
   const LayerState& layer(int64_t index) const;
 
-  /// Bind a layer's host tier and return it in ActiveKV's layout [num_blocks, num_kv_heads, 2, block_size, head_size].
-  /// A different storage than last time (vLLM reallocated its KV cache) resets the layer's pool, page table and
-  /// metadata, counted as kHostRebinds.
+  /// Validate a per-layer KV cache and view it in ActiveKV's layout [num_blocks, num_kv_heads, 2, block_size,
+  /// head_size]. Changes nothing.
   /// @throws c10::TypeError / c10::ValueError for a kv_cache of the wrong dtype, device, shape or contiguity.
-  at::Tensor bind_host(int64_t layer, const at::Tensor& kv_cache, Telemetry& t);
+  at::Tensor host_view(const at::Tensor& kv_cache) const;
+
+  /// Bind a layer's host tier (a view from host_view). A different tensor than the bound one (vLLM reallocated its KV
+  /// cache) resets the layer's page table and key metadata, counted as kHostRebinds.
+  void bind_host(int64_t layer, const at::Tensor& host, Telemetry& t);
 
   /// Write new K/V at their slots: host tier, write-through to resident pool copies, per-block key min/max
   /// (reset when a block's offset 0 is written, since vLLM fills a fresh block from offset 0).
-  /// @param host [num_blocks, num_kv_heads, 2, block_size, head_size] from bind_host
+  /// Validates everything first, then binds `host` and writes: on bad input nothing changes.
+  /// @param host [num_blocks, num_kv_heads, 2, block_size, head_size] from host_view
   /// @param key, value [num_tokens, num_kv_heads, head_size], geometry dtype, same device
   /// @param slot_mapping [n] int64 with n <= num_tokens: slot of token i, or -1 (PAD_SLOT_ID) to skip
   /// @throws c10::IndexError for a slot outside [-1, num_blocks * block_size).
