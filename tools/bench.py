@@ -5,8 +5,8 @@ that each bring one new token to a context of the row's length: 32 query heads, 
 block size 16, 2 threads, synthetic seeded tensors, block tables a seeded permutation of the block ids. A step is
 timed through the path vLLM drives, per column:
 
-- ActiveKV exact (native `activekv._backend.Engine`, the calls vLLM's patched backend makes): `build` the step plan,
-  `update_kv` the new token of every row (into the row's last slot, so the context length stays fixed and the last
+- ActiveKV exact (`activekv._backend.Builder`/`Impl`, called as vLLM's patched backend calls them): `build` the step
+  plan, `do_kv_cache_update` the new token of every row (into the row's last slot, so the context length stays fixed and the last
   block's pool copy is written through), `forward` (admission, host -> pool transfer, tiled attention). Pool columns:
   the pool holds every block the step reads, or a quarter of them (exact mode then streams every block each step).
 - vLLM CPU_ATTN (`torch.ops._C`, as vllm/v1/attention/backends/cpu_attn.py calls it): `get_scheduler_metadata`
@@ -188,24 +188,38 @@ def cpu_attn_column(case: Case, block_size: int) -> tuple[Callable[[], None], to
 
 
 def activekv_column(case: Case, backend: Any, pool_fraction: int) -> tuple[Callable[[], None], torch.Tensor]:
-    """The native engine as vLLM's patched backend drives it: build, update_kv, forward (one layer)."""
+    """ActiveKV through its vLLM-facing objects, called as vLLM's patched backend calls them for one layer:
+    `Builder.build` on a CommonAttentionMetadata stand-in, `Impl.do_kv_cache_update`, `Impl.forward`."""
+    from types import SimpleNamespace
+
     block_table = case.block_table(BLOCK_SIZE)
     slots = case.slot_mapping(block_table, BLOCK_SIZE)
     num_blocks = block_table.numel()
     pool_blocks = max(TILE_BLOCKS, num_blocks // pool_fraction)
-    engine = backend.Engine(1, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE, pool_blocks, TILE_BLOCKS)
-    # ActiveKV's layout: [num_blocks, num_kv_heads, 2, block_size, head_size]
-    kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, 2, BLOCK_SIZE, HEAD_SIZE), dtype=DTYPE)
-    engine.update_kv(0, case.key, case.value, kv_cache, slots)
+    spec = SimpleNamespace(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE,
+                           sliding_window=None)
+    config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: NUM_HEADS),
+                             parallel_config=None,
+                             additional_config={"activekv": {"pool_blocks": pool_blocks, "tile_blocks": TILE_BLOCKS}})
+    layer = SimpleNamespace(layer_name="bench.layers.0.attn")
+    builder = backend.Builder(spec, [layer.layer_name], config, torch.device("cpu"))
+    impl = backend.Impl(NUM_HEADS, HEAD_SIZE, case.scale, NUM_KV_HEADS)
+    # vLLM's LBHNC per-layer view [num_blocks, num_kv_heads, block_size, 2 * head_size]; ActiveKV reads it as
+    # [num_blocks, num_kv_heads, 2, block_size, head_size].
+    kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE), dtype=DTYPE)
+    impl.do_kv_cache_update(layer, case.key, case.value, kv_cache, slots)
     last = case.last_rows()
     new_key, new_value, new_slots = case.key[last], case.value[last], slots[last]
     query_start_loc, seq_lens = case.decode_metadata()
+    metadata = SimpleNamespace(query_start_loc_cpu=query_start_loc, query_start_loc=query_start_loc,
+                               seq_lens=seq_lens, block_table_tensor=block_table, num_reqs=case.batch,
+                               num_actual_tokens=case.batch, causal=True)
     out = torch.empty_like(case.query)
 
     def step() -> None:
-        plan = engine.build(query_start_loc, seq_lens, block_table, case.batch)
-        engine.update_kv(0, new_key, new_value, kv_cache, new_slots)
-        engine.forward(0, plan, case.query, kv_cache, out, case.scale)
+        plan = builder.build(0, metadata)
+        impl.do_kv_cache_update(layer, new_key, new_value, kv_cache, new_slots)
+        impl.forward(layer, case.query, new_key, new_value, kv_cache, plan, out)
 
     return step, out
 

@@ -32,14 +32,18 @@ OnlineSoftmax online_softmax_init(int64_t num_kv_heads, int64_t rows, int64_t he
           at::zeros({num_kv_heads, rows, 1}, opts), at::zeros({num_kv_heads, rows, head_size}, opts)};
 }
 
+at::Tensor gather_tile(const at::Tensor& kv, const at::Tensor& slots) {
+  return kv.permute({1, 2, 0, 3, 4}).index_select(2, slots);
+}
+
 void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tensor& tile, const at::Tensor& mask,
                          double scale) {
   const int64_t kvh = qg.size(0), rows = qg.size(1), d = qg.size(2);
-  const int64_t n = tile.size(0), bs = tile.size(3);
+  const int64_t n = tile.size(2), bs = tile.size(3);
   const int64_t lq = mask.size(0), g = rows / lq;
-  // [n, KVH, 2, bs, D] -> [KVH, n * bs, D]: keys of the tile in position order, per KV head.
-  auto k = tile.select(2, 0).permute({1, 0, 2, 3}).reshape({kvh, n * bs, d}).to(at::kFloat);
-  auto v = tile.select(2, 1).permute({1, 0, 2, 3}).reshape({kvh, n * bs, d}).to(at::kFloat);
+  // [KVH, 2, n, bs, D] -> [KVH, n * bs, D]: keys of the tile in position order, per KV head (a view when gathered).
+  auto k = tile.select(1, 0).reshape({kvh, n * bs, d}).to(at::kFloat);
+  auto v = tile.select(1, 1).reshape({kvh, n * bs, d}).to(at::kFloat);
   auto s = at::matmul(qg, k.transpose(1, 2));  // [KVH, G * Lq, n * bs]
   s.mul_(scale);
   s.view({kvh, g, lq, n * bs}).masked_fill_(mask, -std::numeric_limits<float>::infinity());
@@ -78,7 +82,7 @@ at::Tensor tiled_attention(const at::Tensor& q, const at::Tensor& kv, int64_t se
   for (int64_t start = 0; start < nb; start += tile_blocks) {
     const int64_t n = std::min(nb, start + tile_blocks) - start;
     auto mask = tile_mask(seq_len - lq, lq, start * bs, n * bs, q.device());
-    online_softmax_tile(st, qg, kv.narrow(0, start, n), mask, scale);
+    online_softmax_tile(st, qg, kv.narrow(0, start, n).permute({1, 2, 0, 3, 4}), mask, scale);
   }
   return ungroup_output(online_softmax_finish(st), lq);
 }

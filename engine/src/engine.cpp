@@ -171,7 +171,7 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
       }
       telemetry_.add(Counter::kBlocksHit, adm.hits);
       telemetry_.add(Counter::kBlocksEvicted, adm.evicted);
-      auto tile = L.pool.index_select(0, index_tensor(adm.slots, device_));  // [n, KVH, 2, bs, D]
+      auto tile = gather_tile(L.pool, index_tensor(adm.slots, device_));  // [KVH, 2, n, bs, D]
       const int64_t n = static_cast<int64_t>(blocks.size());
       auto mask = tile_mask(seq - lq, lq, static_cast<int64_t>(ti) * tb * bs, n * bs, device_);
       online_softmax_tile(st, qg, tile, mask, scale);

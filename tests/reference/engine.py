@@ -83,15 +83,20 @@ def online_softmax_init(kvh: int, rows: int, d: int) -> list[torch.Tensor]:
     ]
 
 
+def gather_tile(kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[nb, KVH, 2, bs, D] at slots -> [KVH, 2, n, bs, D] (attention.cpp gather_tile)."""
+    return kv.permute(1, 2, 0, 3, 4).index_select(2, slots)
+
+
 def online_softmax_tile(st: list[torch.Tensor], qg: torch.Tensor, tile: torch.Tensor, mask: torch.Tensor,
                         scale: float) -> None:
-    """Fold one tile [n, KVH, 2, bs, D] into st = [m, l, acc] (attention.cpp online_softmax_tile)."""
+    """Fold one head-major tile [KVH, 2, n, bs, D] into st = [m, l, acc] (attention.cpp online_softmax_tile)."""
     kvh, rows, d = qg.shape
-    n, bs = tile.shape[0], tile.shape[3]
+    n, bs = tile.shape[2], tile.shape[3]
     lq = mask.shape[0]
     g = rows // lq
-    k = tile.select(2, 0).permute(1, 0, 2, 3).reshape(kvh, n * bs, d).to(torch.float32)
-    v = tile.select(2, 1).permute(1, 0, 2, 3).reshape(kvh, n * bs, d).to(torch.float32)
+    k = tile.select(1, 0).reshape(kvh, n * bs, d).to(torch.float32)
+    v = tile.select(1, 1).reshape(kvh, n * bs, d).to(torch.float32)
     s = torch.matmul(qg, k.transpose(1, 2))
     s.mul_(scale)
     s.view(kvh, g, lq, n * bs).masked_fill_(mask, float("-inf"))
@@ -115,7 +120,7 @@ def tiled_attention(q: torch.Tensor, kv: torch.Tensor, seq_len: int, tile_blocks
     for start in range(0, nb, tile_blocks):
         n = min(nb, start + tile_blocks) - start
         mask = tile_mask(seq_len - lq, lq, start * bs, n * bs)
-        online_softmax_tile(st, qg, kv.narrow(0, start, n), mask, scale)
+        online_softmax_tile(st, qg, kv.narrow(0, start, n).permute(1, 2, 0, 3, 4), mask, scale)
     return ungroup_output(torch.div(st[2], st[1]), lq)
 
 
@@ -270,7 +275,7 @@ class RefEngine:
                     self.counters["blocks_admitted"] += len(miss_b)
                 self.counters["blocks_hit"] += hits
                 self.counters["blocks_evicted"] += evicted
-                tile = lay.pool.index_select(0, torch.tensor(slots, dtype=torch.int64))
+                tile = gather_tile(lay.pool, torch.tensor(slots, dtype=torch.int64))
                 n = len(blocks)
                 mask = tile_mask(seq - lq, lq, ti * tb * bs, n * bs)
                 online_softmax_tile(st, qg, tile, mask, scale)

@@ -44,9 +44,17 @@ at::Tensor tile_mask(int64_t first_query_pos, int64_t num_q_tokens, int64_t key_
 /// Fresh online-softmax state.
 OnlineSoftmax online_softmax_init(int64_t num_kv_heads, int64_t rows, int64_t head_size, at::Device device);
 
+/// Gather a tile's blocks from a block-layout tensor, head-major, in one pass (one index_select over a permuted view:
+/// measured 6-10x faster here than a block gather followed by a permuting copy).
+/// @param kv [num_blocks, num_kv_heads, 2, block_size, head_size] (the pool or a host tier)
+/// @param slots [n] int64 block indices into kv, same device
+/// @return [num_kv_heads, 2, n, block_size, head_size], contiguous
+at::Tensor gather_tile(const at::Tensor& kv, const at::Tensor& slots);
+
 /// Fold one tile into the state.
 /// @param qg [num_kv_heads, group_size * num_q_tokens, head_size] float32 from group_query
-/// @param tile [num_tile_blocks, num_kv_heads, 2, block_size, head_size] (gathered from the pool)
+/// @param tile [num_kv_heads, 2, num_tile_blocks, block_size, head_size], head-major (gather_tile, or a permuted
+///        view of consecutive blocks)
 /// @param mask [num_q_tokens, num_tile_blocks * block_size] bool from tile_mask
 /// @param scale softmax scale (usually head_size^-0.5)
 void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tensor& tile, const at::Tensor& mask,
