@@ -69,11 +69,6 @@ PYBIND11_MODULE(_admission, m) {
           py::arg("slots"), "Unpin a tile's slots; ValueError for a slot that is not pinned.")
       .def(
           "resident",
-          [](const PagePool& p) {
-            py::dict d;
-            for (size_t b = 0; b < p.layer.slot_of_block.size(); ++b)
-              if (p.layer.slot_of_block[b] >= 0) d[py::int_(b)] = p.layer.slot_of_block[b];
-            return d;
-          },
+          [](const PagePool& p) { return activekv::py_glue::resident_dict(p.layer); },
           "{block id: pool slot} of resident blocks.");
 }

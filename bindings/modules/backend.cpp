@@ -230,13 +230,7 @@ PYBIND11_MODULE(_backend, m) {
       .def("layer_index", &Engine::layer_index, py::arg("name"), "Layer index of a vLLM layer name.")
       .def(
           "resident",
-          [](Engine& e, int64_t layer) {
-            py::dict d;
-            const auto& l = e.kv_state().layer(layer);
-            for (size_t b = 0; b < l.slot_of_block.size(); ++b)
-              if (l.slot_of_block[b] >= 0) d[py::int_(b)] = l.slot_of_block[b];
-            return d;
-          },
+          [](Engine& e, int64_t layer) { return activekv::py_glue::resident_dict(e.kv_state().layer(layer)); },
           py::arg("layer"), "{block id: pool slot} of the layer's resident blocks.")
       .def("pool", [](Engine& e, int64_t layer) { return e.kv_state().layer(layer).pool; }, py::arg("layer"),
            "The layer's active pool [pool_blocks, num_kv_heads, 2, block_size, head_size] (a view).")

@@ -46,13 +46,7 @@ PYBIND11_MODULE(_kv_state, m) {
           "Write key/value [T, KVH, D] at slot_mapping [n <= T] (-1 = padding): host tier, write-through, metadata.")
       .def(
           "resident",
-          [](const PyKVState& s, int64_t layer) {
-            py::dict d;
-            const auto& l = s.state.layer(layer);
-            for (size_t b = 0; b < l.slot_of_block.size(); ++b)
-              if (l.slot_of_block[b] >= 0) d[py::int_(b)] = l.slot_of_block[b];
-            return d;
-          },
+          [](const PyKVState& s, int64_t layer) { return activekv::py_glue::resident_dict(s.state.layer(layer)); },
           py::arg("layer"), "{block id: pool slot} of the layer's resident blocks.")
       .def("pool", [](const PyKVState& s, int64_t layer) { return s.state.layer(layer).pool; }, py::arg("layer"),
            "The layer's pool [pool_blocks, num_kv_heads, 2, block_size, head_size] (a view, not a copy).")

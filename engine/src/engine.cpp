@@ -6,11 +6,6 @@
 namespace activekv {
 
 namespace {
-at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device) {
-  auto t = at::empty({static_cast<int64_t>(ids.size())}, at::TensorOptions().dtype(at::kLong));
-  std::copy(ids.begin(), ids.end(), t.data_ptr<int64_t>());
-  return t.to(device);
-}
 
 bool is_index_dtype(at::ScalarType t) { return t == at::kInt || t == at::kLong; }
 

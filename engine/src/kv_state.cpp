@@ -1,16 +1,12 @@
 #include <activekv/check.h>
 #include <activekv/kv_state.h>
+#include <activekv/transfer.h>
 
 #include <limits>
 
 namespace activekv {
 
 namespace {
-at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device) {
-  auto t = at::empty({static_cast<int64_t>(ids.size())}, at::TensorOptions().dtype(at::kLong));
-  std::copy(ids.begin(), ids.end(), t.data_ptr<int64_t>());
-  return t.to(device);
-}
 constexpr float kInf = std::numeric_limits<float>::infinity();
 }  // namespace
 

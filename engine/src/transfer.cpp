@@ -4,13 +4,11 @@
 
 namespace activekv {
 
-namespace {
 at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device) {
   auto t = at::empty({static_cast<int64_t>(ids.size())}, at::TensorOptions().dtype(at::kLong));
   std::copy(ids.begin(), ids.end(), t.data_ptr<int64_t>());
   return t.to(device);
 }
-}  // namespace
 
 int64_t copy_blocks(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                     const std::vector<int64_t>& dst_ids) {

@@ -2,6 +2,7 @@
 // Shared glue for ActiveKV's pybind11 modules: torch's type casters (at::Tensor, at::ScalarType, at::Device), the
 // exception translation every module registers, and telemetry -> dict conversion. Bindings include the engine
 // headers; they never restate engine prototypes.
+#include <activekv/kv_state.h>
 #include <activekv/telemetry.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -42,6 +43,14 @@ inline void register_exceptions(py::module_& m) {
       PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
     }
   });
+}
+
+/// {block id: pool slot} of a layer's resident blocks.
+inline py::dict resident_dict(const LayerState& l) {
+  py::dict d;
+  for (size_t b = 0; b < l.slot_of_block.size(); ++b)
+    if (l.slot_of_block[b] >= 0) d[py::int_(b)] = l.slot_of_block[b];
+  return d;
 }
 
 /// Histogram -> {"le": [upper bounds], "counts": [per bucket], "count": n, "sum": s}.

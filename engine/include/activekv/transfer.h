@@ -12,6 +12,9 @@
 
 namespace activekv {
 
+/// A block-id list as an int64 tensor [n] on `device` (the index argument of every gather and scatter).
+at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device);
+
 /// Copy blocks `src[src_ids[i]] -> dst[dst_ids[i]]` along dim 0.
 /// @param src [num_src_blocks, ...] (e.g. the host tier [num_blocks, num_kv_heads, 2, block_size, head_size])
 /// @param dst [num_dst_blocks, ...] same trailing shape and dtype (e.g. the pool)
