@@ -1,8 +1,9 @@
-"""Exact-mode parity scenarios shared by tests/test_parity.py (and later the parity report tool).
+"""Parity scenarios shared by tests/test_parity.py and the parity report tool (tools/parity.py).
 
-A cell is one configuration: dtype x head size x GQA ratio x block size x prompt alignment x pool size x batch x
-padded slot mapping. Each cell replays the same vLLM-like step sequence (a prefill chunk, the rest of the prompt, then
-decode steps) on the native engine and on the Python reference, feeding both the same tensors.
+A cell is one configuration: mode x dtype x head size x GQA ratio x block size x context x pool x batch x padding.
+Each cell replays the same vLLM-like step sequence on the native engine and on the Python reference, feeding both the
+same tensors: a prefill chunk, the rest of the prompt, decode steps; then a new request takes over the first row's
+freed blocks (prefill from offset 0, so stale pool copies and key metadata must be overwritten) and decodes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import torch
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
 TILE_BLOCKS = 2
-DECODE_STEPS = 3
+# Compressed mode: 1 sink block, 1 recent block, k = 2 -> a budget of 4 blocks per KV head.
+SINK_BLOCKS, RECENT_BLOCKS, TOP_K = 1, 1, 2
+BUDGET_BLOCKS = SINK_BLOCKS + TOP_K + RECENT_BLOCKS
 
 
 @dataclass(frozen=True)
@@ -24,32 +27,63 @@ class Cell:
     head_size: int
     gqa: int
     block_size: int
-    aligned: bool
+    context: str  # exact: "aligned" | "unaligned"; compressed: "short" | "multiple" | "unaligned" (vs the budget)
     streaming: bool  # pool smaller than the context (streams through it) or larger
     batch: int
     padded: bool
+    mode: str = "exact"
 
     @property
     def id(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        return (f"{dt}-d{self.head_size}-gqa{self.gqa}-bs{self.block_size}-{'al' if self.aligned else 'un'}-"
+        return (f"{self.mode}-{dt}-d{self.head_size}-gqa{self.gqa}-bs{self.block_size}-{self.context}-"
                 f"{'stream' if self.streaming else 'fit'}-b{self.batch}-{'pad' if self.padded else 'nopad'}")
 
     @property
+    def decode_steps(self) -> int:
+        return 4 if self.mode == "compressed" else 3
+
+    @property
+    def budget_tokens(self) -> int:
+        return BUDGET_BLOCKS * self.block_size
+
+    @property
     def pool_blocks(self) -> int:
+        if self.mode == "compressed":
+            union = NUM_KV_HEADS * TOP_K + SINK_BLOCKS + RECENT_BLOCKS  # worst case for one row
+            return union if self.streaming else 64
         return TILE_BLOCKS + 1 if self.streaming else 64
+
+    def engine_args(self) -> tuple:
+        return (NUM_LAYERS, NUM_KV_HEADS * self.gqa, NUM_KV_HEADS, self.head_size, self.block_size, self.dtype,
+                self.pool_blocks, TILE_BLOCKS)
+
+    def engine_kwargs(self) -> dict:
+        return {"mode": self.mode, "budget_tokens": self.budget_tokens, "sink_blocks": SINK_BLOCKS,
+                "recent_blocks": RECENT_BLOCKS}
 
     def prompt_lens(self) -> list[int]:
         bs = self.block_size
-        blocks = [5, 2, 7][: self.batch]
-        return [b * bs if self.aligned else b * bs - 3 - i for i, b in enumerate(blocks)]
+        if self.mode == "exact":
+            blocks = [5, 2, 7][: self.batch]
+            return [b * bs if self.context == "aligned" else b * bs - 3 - i for i, b in enumerate(blocks)]
+        unit = {"short": 2, "multiple": 3 * BUDGET_BLOCKS, "unaligned": 5 * BUDGET_BLOCKS // 2}[self.context]
+        lens = [unit * bs, max(1, unit // 2) * bs + bs // 2, (3 * unit // 2) * bs][: self.batch]
+        return [n - 3 if self.context == "unaligned" else n for n in lens]
 
 
-def all_cells() -> list[Cell]:
+def exact_cells() -> list[Cell]:
     dims = itertools.product(
-        (torch.float32, torch.bfloat16), (64, 128), (1, 4), (16, 32), (True, False), (True, False), (1, 3),
+        (torch.float32, torch.bfloat16), (64, 128), (1, 4), (16, 32), ("aligned", "unaligned"), (True, False), (1, 3),
         (False, True))
     return [Cell(*d) for d in dims]
+
+
+def compressed_cells() -> list[Cell]:
+    dims = itertools.product(
+        (torch.float32, torch.bfloat16, torch.float16), (64, 128, 80), (1, 4, 8), (16, 32),
+        ("short", "multiple", "unaligned"), (True, False), (1, 3))
+    return [Cell(*d[:6], batch=d[6], padded=d[6] == 3, mode="compressed") for d in dims]
 
 
 @dataclass
@@ -64,13 +98,39 @@ class Step:
     v: list[torch.Tensor]
 
 
-def make_steps(cell: Cell, num_host_blocks: int, seed: int = 0) -> list[Step]:
-    """A deterministic step sequence: prefill chunk (2/3 of each prompt), rest of the prompt, decode steps.
-    Physical block ids are a seeded permutation, as vLLM's allocator hands out non-contiguous ids."""
-    g = torch.Generator().manual_seed(seed)
+def _step(cell: Cell, g: torch.Generator, tables: list[list[int]], done: list[int], new: list[int]) -> Step:
     bs, heads = cell.block_size, NUM_KV_HEADS * cell.gqa
+    qsl, slots = [0], []
+    for r, n in enumerate(new):
+        for pos in range(done[r], done[r] + n):
+            slots.append(tables[r][pos // bs] * bs + pos % bs)
+        done[r] += n
+        qsl.append(qsl[-1] + n)
+    t = qsl[-1]
+    pad = 5 if cell.padded else 0
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(cell.dtype)
+
+    return Step(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(done, dtype=torch.int32),
+        block_table=torch.tensor(tables, dtype=torch.int32),
+        slot_mapping=torch.tensor(slots + [-1] * pad, dtype=torch.int64),
+        num_actual_tokens=t + pad,
+        q=[rnd(t + pad, heads, cell.head_size) for _ in range(NUM_LAYERS)],
+        k=[rnd(t + pad, NUM_KV_HEADS, cell.head_size) for _ in range(NUM_LAYERS)],
+        v=[rnd(t + pad, NUM_KV_HEADS, cell.head_size) for _ in range(NUM_LAYERS)],
+    )
+
+
+def make_steps(cell: Cell, num_host_blocks: int, seed: int = 0) -> list[Step]:
+    """A deterministic step sequence. Physical block ids are a seeded permutation, as vLLM's allocator hands out
+    non-contiguous ids; the last phase reuses the first row's blocks for a new request."""
+    g = torch.Generator().manual_seed(seed)
+    bs = cell.block_size
     prompts = cell.prompt_lens()
-    final = [p + DECODE_STEPS for p in prompts]
+    final = [p + cell.decode_steps for p in prompts]
     width = max((f + bs - 1) // bs for f in final)
     perm = torch.randperm(num_host_blocks, generator=g).tolist()
     tables, nxt = [], 0
@@ -78,37 +138,17 @@ def make_steps(cell: Cell, num_host_blocks: int, seed: int = 0) -> list[Step]:
         nb = (f + bs - 1) // bs
         tables.append(perm[nxt:nxt + nb] + [0] * (width - nb))
         nxt += nb
-    block_table = torch.tensor(tables, dtype=torch.int32)
     done = [0] * cell.batch
     chunks = [[(2 * p) // 3 for p in prompts], [p - (2 * p) // 3 for p in prompts]]
-    chunks += [[1] * cell.batch for _ in range(DECODE_STEPS)]
-    steps = []
-    for new in chunks:
-        qsl, slots = [0], []
-        for r, n in enumerate(new):
-            for pos in range(done[r], done[r] + n):
-                slots.append(tables[r][pos // bs] * bs + pos % bs)
-            done[r] += n
-            qsl.append(qsl[-1] + n)
-        t = qsl[-1]
-        pad = 5 if cell.padded else 0
-        slot_mapping = torch.tensor(slots + [-1] * pad, dtype=torch.int64)
-
-        def rnd(*shape: int) -> torch.Tensor:
-            return torch.randn(*shape, generator=g).to(cell.dtype)
-
-        steps.append(Step(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            seq_lens=torch.tensor(done, dtype=torch.int32),
-            block_table=block_table.clone(),
-            slot_mapping=slot_mapping,
-            num_actual_tokens=t + pad,
-            q=[rnd(t + pad, heads, cell.head_size) for _ in range(NUM_LAYERS)],
-            k=[rnd(t + pad, NUM_KV_HEADS, cell.head_size) for _ in range(NUM_LAYERS)],
-            v=[rnd(t + pad, NUM_KV_HEADS, cell.head_size) for _ in range(NUM_LAYERS)],
-        ))
+    chunks += [[1] * cell.batch for _ in range(cell.decode_steps)]
+    steps = [_step(cell, g, tables, done, new) for new in chunks]
+    # Row 0's request finished; a new one gets the same blocks (vLLM frees and reuses them) and runs alone.
+    reuse_done = [0]
+    steps.append(_step(cell, g, tables[:1], reuse_done, [prompts[0]]))
+    steps += [_step(cell, g, tables[:1], reuse_done, [1]) for _ in range(2)]
     return steps
 
 
 def host_blocks_for(cell: Cell) -> int:
-    return 2 * sum((f + DECODE_STEPS + cell.block_size - 1) // cell.block_size for f in cell.prompt_lens()) + 4
+    bs = cell.block_size
+    return 2 * sum((p + cell.decode_steps + bs - 1) // bs for p in cell.prompt_lens()) + 4

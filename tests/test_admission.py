@@ -30,12 +30,13 @@ def admit_and_release(pool: admission.PagePool, blocks: list[int]) -> dict:
 
 def test_parse_mode() -> None:
     assert admission.parse_mode("exact") == admission.Mode.EXACT
-    assert int(admission.Mode.EXACT) == 0
+    assert admission.parse_mode("compressed") == admission.Mode.COMPRESSED
+    assert (int(admission.Mode.EXACT), int(admission.Mode.COMPRESSED)) == (0, 1)
 
 
 @pytest.mark.parametrize("name", ["", "Exact", "lru", "topk"])
 def test_parse_unknown_mode(name: str) -> None:
-    with pytest.raises(ValueError, match=rf"mode must be 'exact' \(the only mode so far\), got '{name}'"):
+    with pytest.raises(ValueError, match=rf"mode must be 'exact' or 'compressed', got '{name}'"):
         admission.parse_mode(name)
 
 

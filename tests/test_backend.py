@@ -101,7 +101,13 @@ def test_warmup_forward_without_metadata_leaves_output_untouched(builder: backen
 
 @pytest.mark.parametrize(("options", "exc", "match"), [
     ({"pool_blocks": 4, "bogus": 1}, ValueError, "unknown ActiveKV option.*bogus"),
-    ({"mode": "compressed"}, ValueError, "mode must be 'exact'"),
+    ({"mode": "sparse"}, ValueError, "mode must be 'exact' or 'compressed', got 'sparse'"),
+    ({"mode": "compressed", "budget_tokens": 48, "sink_blocks": 1, "recent_blocks": 2}, ValueError,
+     r"budget_tokens \(48\) must cover sink_blocks \+ recent_blocks \+ one block = 64 tokens"),
+    ({"mode": "compressed", "budget_tokens": 256, "pool_blocks": 20}, ValueError,
+     r"pool_blocks \(20\) must hold the worst-case union .* = 29 blocks"),
+    ({"mode": "compressed", "recent_blocks": 0}, ValueError, "recent_blocks must be >= 1"),
+    ({"mode": "compressed", "sink_blocks": -1}, ValueError, "sink_blocks must be >= 0"),
     ({"pool_blocks": 2, "tile_blocks": 4}, ValueError, r"pool_blocks \(2\) must be >= tile_blocks \(4\)"),
     ({"pool_blocks": "8"}, TypeError, "pool_blocks'\\] must be an int"),
     ({"tile_blocks": 0}, ValueError, "tile_blocks'\\] must be >= 1"),
@@ -114,6 +120,13 @@ def test_builder_rejects_bad_options(options: dict, exc: type, match: str) -> No
 def test_builder_rejects_non_dict_options() -> None:
     with pytest.raises(TypeError, match=r"additional_config\['activekv'\] must be a dict"):
         backend.Builder(spec(), LAYERS, vllm_config(extra={"activekv": 3}), torch.device("cpu"))
+
+
+def test_compressed_builder_defaults_its_pool_to_the_worst_case_union() -> None:
+    b = backend.Builder(spec(), LAYERS, vllm_config({"mode": "compressed", "budget_tokens": 8192}),
+                        torch.device("cpu"))
+    # k = 8192 / 16 - 1 - 2 = 509; union = 2 * 509 + 3 = 1021 blocks
+    assert (b.engine.mode, b.engine.top_k, b.engine.pool_blocks) == ("compressed", 509, 1021)
 
 
 def test_builder_defaults_and_layer_registry() -> None:

@@ -22,9 +22,40 @@ struct PagePool {
 }  // namespace
 
 PYBIND11_MODULE(_admission, m) {
-  m.doc() = "ActiveKV admission policy (exact mode): tiles of a row's blocks, LRU eviction of unpinned slots.";
+  m.doc() = "ActiveKV admission policy: exact tiles, LRU eviction of unpinned slots, compressed-mode block selection.";
   activekv::py_glue::register_exceptions(m);
-  py::enum_<activekv::Mode>(m, "Mode", "Admission modes.").value("EXACT", activekv::Mode::kExact);
+  py::enum_<activekv::Mode>(m, "Mode", "Admission modes.")
+      .value("EXACT", activekv::Mode::kExact)
+      .value("COMPRESSED", activekv::Mode::kCompressed);
+  m.def(
+      "select_blocks",
+      [](const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& row_blocks,
+         int64_t sink_blocks, int64_t recent_blocks, int64_t top_k) {
+        TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == 1, "q must be [1, num_heads, head_size], got ", q.sizes());
+        TORCH_CHECK_TYPE(key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat,
+                         "key_min and key_max must be float32, got ", key_min.scalar_type(), " and ",
+                         key_max.scalar_type());
+        TORCH_CHECK_VALUE(key_min.dim() == 3 && key_min.sizes() == key_max.sizes() && key_min.size(2) == q.size(2) &&
+                              key_min.size(1) > 0 && q.size(1) % key_min.size(1) == 0,
+                          "key_min/key_max must be [blocks, num_kv_heads, head_size] matching q, got ",
+                          key_min.sizes(), " and ", key_max.sizes());
+        TORCH_CHECK_TYPE(row_blocks.scalar_type() == at::kLong && row_blocks.dim() == 1,
+                         "row_blocks must be a 1-D int64 tensor, got ", row_blocks.scalar_type(), " ",
+                         row_blocks.sizes());
+        TORCH_CHECK_VALUE(sink_blocks >= 0 && recent_blocks >= 1 && top_k >= 1,
+                          "need sink_blocks >= 0, recent_blocks >= 1, top_k >= 1, got ", sink_blocks, ", ",
+                          recent_blocks, ", ", top_k);
+        if (row_blocks.numel() > 0) {
+          const auto lo = row_blocks.min().item<int64_t>(), hi = row_blocks.max().item<int64_t>();
+          TORCH_CHECK_INDEX(lo >= 0 && hi < key_min.size(0), "row_blocks must be in [0, ", key_min.size(0),
+                            "), got [", lo, ", ", hi, "]");
+        }
+        return activekv::select_blocks(q, key_min, key_max, row_blocks,
+                                       activekv::Selection{sink_blocks, recent_blocks, top_k});
+      },
+      py::arg("q"), py::arg("key_min"), py::arg("key_max"), py::arg("row_blocks"), py::arg("sink_blocks"),
+      py::arg("recent_blocks"), py::arg("top_k"), py::call_guard<py::gil_scoped_release>(),
+      "Quest selection of one decode row: int64 [num_kv_heads, sink + top_k + recent] block positions, ascending.");
   m.def("parse_mode", &activekv::parse_mode, py::arg("name"), "Mode from its option spelling; ValueError if unknown.");
   m.def(
       "exact_tiles",

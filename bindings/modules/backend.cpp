@@ -46,7 +46,8 @@ std::string layer_name(const py::handle& layer) {
 }
 
 const std::set<std::string>& builder_option_keys() {
-  static const std::set<std::string> keys{"mode", "pool_blocks", "tile_blocks"};
+  static const std::set<std::string> keys{"mode",          "pool_blocks", "tile_blocks",
+                                          "budget_tokens", "sink_blocks", "recent_blocks"};
   return keys;
 }
 
@@ -75,7 +76,7 @@ py::dict activekv_options(const py::handle& vllm_config) {
   for (auto item : od) {
     const auto key = py::str(item.first).cast<std::string>();
     TORCH_CHECK_VALUE(builder_option_keys().count(key), "unknown ActiveKV option additional_config['activekv']['",
-                      key, "']; known options: mode, pool_blocks, tile_blocks");
+                      key, "']; known options: mode, pool_blocks, tile_blocks, budget_tokens, sink_blocks, recent_blocks");
   }
   return od;
 }
@@ -134,14 +135,21 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
   const std::string mode = opts.contains("mode") ? py::str(opts["mode"]).cast<std::string>() : "exact";
   activekv::EngineConfig cfg;
   cfg.mode = activekv::parse_mode(mode);
-  cfg.pool_blocks = option_int(opts, "pool_blocks", kDefaultPoolBlocks);
   const int64_t tile_blocks = option_int(opts, "tile_blocks", kDefaultTileBlocks);
-  TORCH_CHECK_VALUE(cfg.pool_blocks >= 1, "additional_config['activekv']['pool_blocks'] must be >= 1, got ",
-                    cfg.pool_blocks);
   TORCH_CHECK_VALUE(tile_blocks >= 1, "additional_config['activekv']['tile_blocks'] must be >= 1, got ",
                     tile_blocks);
   cfg.geometry = activekv::Geometry(static_cast<int64_t>(layer_names.size()), num_heads, num_kv_heads, head_size,
                                     block_size, dtype, tile_blocks);
+  cfg.budget_tokens = option_int(opts, "budget_tokens", cfg.budget_tokens);
+  cfg.sink_blocks = option_int(opts, "sink_blocks", cfg.sink_blocks);
+  cfg.recent_blocks = option_int(opts, "recent_blocks", cfg.recent_blocks);
+  // Compressed mode's default pool holds the worst-case union of one row's selections (and never less than 256).
+  const int64_t default_pool = cfg.mode == activekv::Mode::kCompressed
+                                   ? std::max(kDefaultPoolBlocks, activekv::worst_case_union_blocks(cfg))
+                                   : kDefaultPoolBlocks;
+  cfg.pool_blocks = option_int(opts, "pool_blocks", default_pool);
+  TORCH_CHECK_VALUE(cfg.pool_blocks >= 1, "additional_config['activekv']['pool_blocks'] must be >= 1, got ",
+                    cfg.pool_blocks);
   auto engine = std::make_shared<Engine>(cfg, device);
   engine->set_layer_names(layer_names);
   std::lock_guard<std::mutex> lock(g_layers_mu);
@@ -185,17 +193,23 @@ PYBIND11_MODULE(_backend, m) {
                                                "attention + telemetry, for num_layers layers.")
       .def(py::init([](int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                        int64_t block_size, at::ScalarType dtype, int64_t pool_blocks, int64_t tile_blocks,
-                       at::Device device, const std::string& mode) {
+                       at::Device device, const std::string& mode, int64_t budget_tokens, int64_t sink_blocks,
+                       int64_t recent_blocks) {
              activekv::EngineConfig cfg;
              cfg.geometry = activekv::Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
                                                tile_blocks);
              cfg.pool_blocks = pool_blocks;
              cfg.mode = activekv::parse_mode(mode);
+             cfg.budget_tokens = budget_tokens;
+             cfg.sink_blocks = sink_blocks;
+             cfg.recent_blocks = recent_blocks;
              return std::make_shared<Engine>(cfg, device);
            }),
            py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
            py::arg("block_size"), py::arg("dtype"), py::arg("pool_blocks"), py::arg("tile_blocks"),
-           py::arg("device") = at::Device("cpu"), py::arg("mode") = "exact")
+           py::arg("device") = at::Device("cpu"), py::arg("mode") = "exact", py::arg("budget_tokens") = 2048,
+           py::arg("sink_blocks") = 1, py::arg("recent_blocks") = 2,
+           "mode 'exact' or 'compressed' (budget_tokens, sink_blocks, recent_blocks apply to compressed mode).")
       .def(
           "build",
           [](const std::shared_ptr<Engine>& e, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -238,6 +252,18 @@ PYBIND11_MODULE(_backend, m) {
            "float32 [num_blocks, num_kv_heads, head_size]; undefined before the layer's first KV update.")
       .def("key_max", [](Engine& e, int64_t layer) { return e.kv_state().layer(layer).key_max; }, py::arg("layer"),
            "float32 [num_blocks, num_kv_heads, head_size]; undefined before the layer's first KV update.")
+      .def(
+          "selection",
+          [](Engine& e, int64_t layer) {
+            py::dict d;
+            for (const auto& [row, ids] : e.kv_state().layer(layer).last_selection) d[py::int_(row)] = ids;
+            return d;
+          },
+          py::arg("layer"),
+          "Compressed mode, the layer's last forward: {request row: int64 [num_kv_heads, per_head] block ids each KV "
+          "head attended}; rows that ran exactly are absent.")
+      .def_property_readonly("top_k", [](Engine& e) { return e.selection().top_k; },
+                             "Blocks chosen per KV head by score (compressed mode).")
       .def_property_readonly("num_layers", [](Engine& e) { return e.geometry().num_layers; })
       .def_property_readonly("pool_blocks", [](Engine& e) { return e.config().pool_blocks; })
       .def_property_readonly("tile_blocks", [](Engine& e) { return e.geometry().tile_blocks; })

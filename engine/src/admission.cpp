@@ -4,13 +4,15 @@
 namespace activekv {
 
 Mode parse_mode(const std::string& name) {
-  AKV_CHECK_VALUE(name == "exact", "mode must be 'exact' (the only mode so far), got '", name, "'");
-  return Mode::kExact;
+  if (name == "exact") return Mode::kExact;
+  AKV_CHECK_VALUE(name == "compressed", "mode must be 'exact' or 'compressed', got '", name, "'");
+  return Mode::kCompressed;
 }
 
 const char* mode_name(Mode mode) {
   switch (mode) {
     case Mode::kExact: return "exact";
+    case Mode::kCompressed: return "compressed";
   }
   return "unknown";
 }
@@ -73,6 +75,32 @@ void release_tile(LayerState& layer, const std::vector<int64_t>& slots) {
     TORCH_INTERNAL_ASSERT(layer.pins[s] > 0, "releasing an unpinned pool slot ", s);
     --layer.pins[s];
   }
+}
+
+}  // namespace activekv
+
+namespace activekv {
+
+at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                         const at::Tensor& row_blocks, const Selection& sel) {
+  const int64_t nb = row_blocks.size(0), kvh = key_min.size(1), d = key_min.size(2);
+  const int64_t g = q.size(1) / kvh;
+  const int64_t cand = nb - sel.sink_blocks - sel.recent_blocks;
+  AKV_CHECK_VALUE(cand > sel.top_k, "a selecting row needs more than sink + recent + k = ", sel.per_head(),
+                  " blocks, got ", nb);
+  auto ids = row_blocks.narrow(0, sel.sink_blocks, cand);
+  auto kmin = key_min.index_select(0, ids).permute({1, 2, 0});  // [KVH, D, C]
+  auto kmax = key_max.index_select(0, ids).permute({1, 2, 0});  // [KVH, D, C]
+  auto qf = q.to(at::kFloat).reshape({kvh, g, d});                // [KVH, G, D]
+  // sum_d max(q_d * min_d, q_d * max_d) = relu(q) . max + min(q, 0) . min  (max_d >= min_d)
+  auto bound = at::add(at::matmul(qf.clamp_min(0.0), kmax), at::matmul(qf.clamp_max(0.0), kmin));  // [KVH, G, C]
+  auto score = bound.amax(1);                                                                       // [KVH, C]
+  auto order = std::get<1>(at::sort(score, /*stable=*/true, /*dim=*/1, /*descending=*/true));
+  auto top = std::get<0>(at::sort(order.narrow(1, 0, sel.top_k), /*stable=*/true, /*dim=*/1, /*descending=*/false));
+  auto opts = at::TensorOptions().dtype(at::kLong).device(q.device());
+  auto sinks = at::arange(0, sel.sink_blocks, opts).expand({kvh, sel.sink_blocks});
+  auto recents = at::arange(nb - sel.recent_blocks, nb, opts).expand({kvh, sel.recent_blocks});
+  return at::cat({sinks, top.add(sel.sink_blocks), recents}, 1);
 }
 
 }  // namespace activekv

@@ -40,7 +40,7 @@ void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tens
                          double scale) {
   const int64_t kvh = qg.size(0), rows = qg.size(1), d = qg.size(2);
   const int64_t n = tile.size(2), bs = tile.size(3);
-  const int64_t lq = mask.size(0), g = rows / lq;
+  const int64_t lq = mask.size(-2), g = rows / lq;
   // [KVH, 2, n, bs, D] -> [KVH, n * bs, D]: keys of the tile in position order, per KV head (a view when gathered).
   auto k = tile.select(1, 0).reshape({kvh, n * bs, d}).to(at::kFloat);
   auto v = tile.select(1, 1).reshape({kvh, n * bs, d}).to(at::kFloat);

@@ -1,6 +1,7 @@
 #include <activekv/check.h>
 #include <activekv/engine.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace activekv {
@@ -26,12 +27,33 @@ struct TilePins {
 const char* engine_version() { return ACTIVEKV_VERSION; }
 const char* engine_torch_version() { return ACTIVEKV_TORCH_VERSION; }
 
+int64_t worst_case_union_blocks(const EngineConfig& c) {
+  const auto& g = c.geometry;
+  AKV_CHECK_VALUE(c.recent_blocks >= 1, "recent_blocks must be >= 1 (the decode token's own block), got ",
+                  c.recent_blocks);
+  AKV_CHECK_VALUE(c.sink_blocks >= 0, "sink_blocks must be >= 0, got ", c.sink_blocks);
+  const int64_t k = c.budget_tokens / g.block_size - c.sink_blocks - c.recent_blocks;
+  AKV_CHECK_VALUE(k >= 1, "budget_tokens (", c.budget_tokens, ") must cover sink_blocks + recent_blocks + one block = ",
+                  (c.sink_blocks + c.recent_blocks + 1) * g.block_size, " tokens at block_size ", g.block_size);
+  return g.num_kv_heads * k + c.sink_blocks + c.recent_blocks;
+}
+
 Engine::Engine(EngineConfig config, at::Device device)
     : config_(std::move(config)), device_(device), kv_(config_.geometry, config_.pool_blocks, device) {
   AKV_CHECK_VALUE(config_.pool_blocks >= config_.geometry.tile_blocks, "pool_blocks (", config_.pool_blocks,
                   ") must be >= tile_blocks (", config_.geometry.tile_blocks,
                   "): the pool must hold one whole tile to stream a context through it");
   const auto& g = config_.geometry;
+  if (config_.mode == Mode::kCompressed) {
+    const int64_t need = worst_case_union_blocks(config_);
+    AKV_CHECK_VALUE(config_.pool_blocks >= need, "pool_blocks (", config_.pool_blocks,
+                    ") must hold the worst-case union of one request row's selections: num_kv_heads * k + "
+                    "sink_blocks + recent_blocks = ",
+                    need, " blocks");
+    selection_.sink_blocks = config_.sink_blocks;
+    selection_.recent_blocks = config_.recent_blocks;
+    selection_.top_k = config_.budget_tokens / g.block_size - config_.sink_blocks - config_.recent_blocks;
+  }
   telemetry_.set_info("num_layers", g.num_layers);
   telemetry_.set_info("pool_blocks", config_.pool_blocks);
   telemetry_.set_info("tile_blocks", g.tile_blocks);
@@ -112,7 +134,7 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   const auto t0 = std::chrono::steady_clock::now();
   check_layer(layer);
   const auto& g = geometry();
-  const int64_t h = g.num_heads, d = g.head_size, bs = g.block_size, tb = g.tile_blocks;
+  const int64_t h = g.num_heads, d = g.head_size;
   const int32_t* qsl = plan.query_start_loc.data_ptr<int32_t>();
   const int32_t* sl = plan.seq_lens.data_ptr<int32_t>();
   const int64_t used = qsl[plan.num_reqs];
@@ -145,38 +167,105 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   kv_.bind_host(layer, host, telemetry_);
   auto& L = kv_.layer(layer);
   telemetry_.add(Counter::kForwardCalls);
+  L.last_selection.clear();
   auto out3 = output.view({output.size(0), h, d});
-  int64_t admitted = 0;
+  const int64_t admitted_before = telemetry_.get(Counter::kBlocksAdmitted);
+  const int64_t budget_blocks = selection_.per_head();
   for (int64_t r = 0; r < plan.num_reqs; ++r) {
     const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
     if (lq == 0) continue;
     const int64_t nb = g.blocks_for(seq);
-    auto qg = group_query(query.narrow(0, q0, lq), g.num_kv_heads);
+    auto q = query.narrow(0, q0, lq);
+    auto qg = group_query(q, g.num_kv_heads);
     auto st = online_softmax_init(g.num_kv_heads, qg.size(1), d, device_);
-    const auto tiles = exact_tiles(bt + r * width, nb, tb);
-    for (size_t ti = 0; ti < tiles.size(); ++ti) {
-      const auto& blocks = tiles[ti];
-      auto adm = admit_tile(L, blocks, clock_);
-      TilePins pins{L, adm.slots};
-      if (!adm.miss_blocks.empty()) {
-        const int64_t bytes = copy_blocks(host, L.pool, adm.miss_blocks, adm.miss_slots);
-        telemetry_.add(Counter::kBytesH2D, bytes);
-        telemetry_.add(Counter::kBlocksAdmitted, static_cast<int64_t>(adm.miss_blocks.size()));
-        admitted += static_cast<int64_t>(adm.miss_blocks.size());
-      }
-      telemetry_.add(Counter::kBlocksHit, adm.hits);
-      telemetry_.add(Counter::kBlocksEvicted, adm.evicted);
-      auto tile = gather_tile(L.pool, index_tensor(adm.slots, device_));  // [KVH, 2, n, bs, D]
-      const int64_t n = static_cast<int64_t>(blocks.size());
-      auto mask = tile_mask(seq - lq, lq, static_cast<int64_t>(ti) * tb * bs, n * bs, device_);
-      online_softmax_tile(st, qg, tile, mask, scale);
-      telemetry_.add(Counter::kTilesComputed);
+    if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
+      attend_selected(L, host, bt + r * width, nb, seq, r, q, qg, st, scale);
+    } else {
+      attend_exact(L, host, bt + r * width, nb, seq, lq, qg, st, scale);
     }
     out3.narrow(0, q0, lq).copy_(ungroup_output(online_softmax_finish(st), lq));
   }
+  const int64_t admitted = telemetry_.get(Counter::kBlocksAdmitted) - admitted_before;
   telemetry_.observe_blocks_admitted(admitted);
   const auto us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   telemetry_.observe_forward_latency_us(us);
+}
+
+}  // namespace activekv
+
+namespace activekv {
+
+void Engine::admit_and_copy(LayerState& L, const at::Tensor& host, TileAdmission& adm) {
+  if (!adm.miss_blocks.empty()) {
+    telemetry_.add(Counter::kBytesH2D, copy_blocks(host, L.pool, adm.miss_blocks, adm.miss_slots));
+    telemetry_.add(Counter::kBlocksAdmitted, static_cast<int64_t>(adm.miss_blocks.size()));
+  }
+  telemetry_.add(Counter::kBlocksHit, adm.hits);
+  telemetry_.add(Counter::kBlocksEvicted, adm.evicted);
+}
+
+void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
+                          int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
+  const int64_t bs = geometry().block_size, tb = geometry().tile_blocks;
+  const auto tiles = exact_tiles(row, nb, tb);
+  for (size_t ti = 0; ti < tiles.size(); ++ti) {
+    const auto& blocks = tiles[ti];
+    auto adm = admit_tile(L, blocks, clock_);
+    TilePins pins{L, adm.slots};
+    admit_and_copy(L, host, adm);
+    auto tile = gather_tile(L.pool, index_tensor(adm.slots, device_));  // [KVH, 2, n, bs, D]
+    const int64_t n = static_cast<int64_t>(blocks.size());
+    auto mask = tile_mask(seq - lq, lq, static_cast<int64_t>(ti) * tb * bs, n * bs, device_);
+    online_softmax_tile(st, qg, tile, mask, scale);
+    telemetry_.add(Counter::kTilesComputed);
+  }
+}
+
+void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
+                             int64_t r, const at::Tensor& q, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
+  const auto& g = geometry();
+  const int64_t kvh = g.num_kv_heads, bs = g.block_size, tb = g.tile_blocks, m = selection_.per_head();
+  auto row_blocks = at::empty({nb}, at::TensorOptions().dtype(at::kLong));
+  std::copy(row, row + nb, row_blocks.data_ptr<int64_t>());
+  auto pos = select_blocks(q, L.key_min, L.key_max, row_blocks.to(device_), selection_);  // [KVH, m] positions
+  auto pos_cpu = pos.to(at::kCPU).contiguous();
+  const int64_t* pp = pos_cpu.data_ptr<int64_t>();
+  // The pool admits the union of the heads' blocks, in position order, all pinned while the row attends.
+  std::vector<int64_t> union_pos(pp, pp + kvh * m);
+  std::sort(union_pos.begin(), union_pos.end());
+  union_pos.erase(std::unique(union_pos.begin(), union_pos.end()), union_pos.end());
+  std::vector<int64_t> union_blocks;
+  for (int64_t p : union_pos) union_blocks.push_back(row[p]);
+  auto adm = admit_tile(L, union_blocks, clock_);
+  TilePins pins{L, adm.slots};
+  admit_and_copy(L, host, adm);
+  // Each head gathers its own blocks: row h*m + j of [KVH * m, 2, bs, D] is (block pos[h, j], head h). The pool
+  // [P, KVH, 2, bs, D] viewed as [P * KVH, 2, bs, D] has K and V of one (block, head) in one contiguous row.
+  std::vector<int64_t> flat(kvh * m);
+  for (int64_t hh = 0; hh < kvh; ++hh) {
+    for (int64_t j = 0; j < m; ++j) {
+      const int64_t u = std::lower_bound(union_pos.begin(), union_pos.end(), pp[hh * m + j]) - union_pos.begin();
+      flat[hh * m + j] = adm.slots[u] * kvh + hh;
+    }
+  }
+  auto per_head = L.pool.view({L.pool.size(0) * kvh, 2, bs, g.head_size})
+                      .index_select(0, index_tensor(flat, device_))
+                      .view({kvh, m, 2, bs, g.head_size})
+                      .permute({0, 2, 1, 3, 4});  // [KVH, 2, m, bs, D]
+  auto offsets = at::arange(bs, at::TensorOptions().dtype(at::kLong).device(device_));
+  for (int64_t t = 0; t < m; t += tb) {
+    const int64_t n = std::min(tb, m - t);
+    // Per-head causal mask of the decode token (position seq - 1): only the unwritten tail of the last block.
+    auto kpos = pos.narrow(1, t, n).unsqueeze(2).mul(bs).add(offsets).reshape({kvh, n * bs});
+    auto mask = kpos.gt(seq - 1).view({kvh, 1, 1, n * bs});
+    online_softmax_tile(st, qg, per_head.narrow(2, t, n), mask, scale);
+    telemetry_.add(Counter::kTilesComputed);
+  }
+  L.last_selection.emplace_back(r, row_blocks.index_select(0, pos_cpu.view({-1})).view({kvh, m}));
+  telemetry_.add(Counter::kCompressedRows);
+  telemetry_.add(Counter::kCompressedContextBlocks, nb);
+  telemetry_.add(Counter::kSelectedBlocks, kvh * m);
+  telemetry_.add(Counter::kUnionBlocks, static_cast<int64_t>(union_blocks.size()));
 }
 
 }  // namespace activekv

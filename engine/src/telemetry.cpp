@@ -34,6 +34,10 @@ const char* counter_name(Counter c) {
     case Counter::kBytesD2H: return "bytes_d2h";
     case Counter::kTilesComputed: return "tiles_computed";
     case Counter::kHostRebinds: return "host_rebinds";
+    case Counter::kCompressedRows: return "compressed_rows";
+    case Counter::kCompressedContextBlocks: return "compressed_context_blocks";
+    case Counter::kSelectedBlocks: return "selected_blocks";
+    case Counter::kUnionBlocks: return "union_blocks";
     case Counter::kCount: break;
   }
   return "unknown";

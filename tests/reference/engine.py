@@ -27,6 +27,10 @@ COUNTERS = (
     "bytes_d2h",
     "tiles_computed",
     "host_rebinds",
+    "compressed_rows",
+    "compressed_context_blocks",
+    "selected_blocks",
+    "union_blocks",
 )
 
 
@@ -93,7 +97,7 @@ def online_softmax_tile(st: list[torch.Tensor], qg: torch.Tensor, tile: torch.Te
     """Fold one head-major tile [KVH, 2, n, bs, D] into st = [m, l, acc] (attention.cpp online_softmax_tile)."""
     kvh, rows, d = qg.shape
     n, bs = tile.shape[2], tile.shape[3]
-    lq = mask.shape[0]
+    lq = mask.shape[-2]
     g = rows // lq
     k = tile.select(1, 0).reshape(kvh, n * bs, d).to(torch.float32)
     v = tile.select(1, 1).reshape(kvh, n * bs, d).to(torch.float32)
@@ -124,11 +128,35 @@ def tiled_attention(q: torch.Tensor, kv: torch.Tensor, seq_len: int, tile_blocks
     return ungroup_output(torch.div(st[2], st[1]), lq)
 
 
+def select_blocks(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, row_blocks: torch.Tensor,
+                  sink_blocks: int, recent_blocks: int, top_k: int) -> torch.Tensor:
+    """Quest selection of one decode row -> int64 [KVH, sink + k + recent] positions (admission.cpp select_blocks)."""
+    nb = row_blocks.shape[0]
+    kvh, d = key_min.shape[1], key_min.shape[2]
+    g = q.shape[1] // kvh
+    cand = nb - sink_blocks - recent_blocks
+    ids = row_blocks.narrow(0, sink_blocks, cand)
+    kmin = key_min.index_select(0, ids).permute(1, 2, 0)
+    kmax = key_max.index_select(0, ids).permute(1, 2, 0)
+    qf = q.to(torch.float32).reshape(kvh, g, d)
+    bound = torch.add(torch.matmul(qf.clamp_min(0.0), kmax), torch.matmul(qf.clamp_max(0.0), kmin))
+    score = bound.amax(1)
+    order = torch.sort(score, stable=True, dim=1, descending=True)[1]
+    top = torch.sort(order.narrow(1, 0, top_k), stable=True, dim=1, descending=False)[0]
+    sinks = torch.arange(0, sink_blocks, dtype=torch.int64).expand(kvh, sink_blocks)
+    recents = torch.arange(nb - recent_blocks, nb, dtype=torch.int64).expand(kvh, recent_blocks)
+    return torch.cat([sinks, top.add(sink_blocks), recents], 1)
+
+
 class RefEngine:
-    """Exact-mode reference of activekv._backend.Engine (CPU)."""
+    """Reference of activekv._backend.Engine (CPU), exact and compressed modes."""
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
-                 dtype: torch.dtype, pool_blocks: int, tile_blocks: int) -> None:
+                 dtype: torch.dtype, pool_blocks: int, tile_blocks: int, mode: str = "exact",
+                 budget_tokens: int = 2048, sink_blocks: int = 1, recent_blocks: int = 2) -> None:
+        self.mode, self.sink_blocks, self.recent_blocks = mode, sink_blocks, recent_blocks
+        self.top_k = budget_tokens // block_size - sink_blocks - recent_blocks
+        self.selection: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
         self.num_layers, self.num_heads, self.num_kv_heads = num_layers, num_heads, num_kv_heads
         self.head_size, self.block_size, self.dtype = head_size, block_size, dtype
         self.pool_blocks, self.tile_blocks = pool_blocks, tile_blocks
@@ -255,31 +283,80 @@ class RefEngine:
         self.counters["forward_calls"] += 1
         out3 = output.view(output.shape[0], self.num_heads, self.head_size)
         qsl, sl, bt = plan.query_start_loc.tolist(), plan.seq_lens.tolist(), plan.block_table
-        tb, bs = self.tile_blocks, self.block_size
+        self.selection[layer] = {}
+        per_head = self.sink_blocks + self.top_k + self.recent_blocks
         for r in range(plan.num_reqs):
             q0, lq, seq = qsl[r], qsl[r + 1] - qsl[r], sl[r]
             if lq == 0:
                 continue
             nb = self.blocks_for(seq)
-            qg = group_query(query.narrow(0, q0, lq), self.num_kv_heads)
+            q = query.narrow(0, q0, lq)
+            qg = group_query(q, self.num_kv_heads)
             st = online_softmax_init(self.num_kv_heads, qg.shape[1], self.head_size)
             row = bt[r, :nb].tolist()
-            for ti, start in enumerate(range(0, nb, tb)):
-                blocks = row[start:start + tb]
-                slots, miss_b, miss_s, hits, evicted = self._admit(lay, blocks)
-                if miss_b:
-                    # transfer.cpp copy_blocks: one gather, one scatter.
-                    gathered = host.index_select(0, torch.tensor(miss_b, dtype=torch.int64))
-                    lay.pool.index_copy_(0, torch.tensor(miss_s, dtype=torch.int64), gathered)
-                    self.counters["bytes_h2d"] += len(miss_b) * self.bytes_per_block
-                    self.counters["blocks_admitted"] += len(miss_b)
-                self.counters["blocks_hit"] += hits
-                self.counters["blocks_evicted"] += evicted
-                tile = gather_tile(lay.pool, torch.tensor(slots, dtype=torch.int64))
-                n = len(blocks)
-                mask = tile_mask(seq - lq, lq, ti * tb * bs, n * bs)
-                online_softmax_tile(st, qg, tile, mask, scale)
-                self.counters["tiles_computed"] += 1
-                for s in slots:
-                    lay.pins[s] -= 1
+            if self.mode == "compressed" and lq == 1 and nb > per_head:
+                self._attend_selected(layer, lay, host, row, seq, r, q, qg, st, scale)
+            else:
+                self._attend_exact(lay, host, row, seq, lq, qg, st, scale)
             out3.narrow(0, q0, lq).copy_(ungroup_output(torch.div(st[2], st[1]), lq))
+
+    def _admit_and_copy(self, lay: RefLayer, host: torch.Tensor, blocks: list[int]) -> list[int]:
+        slots, miss_b, miss_s, hits, evicted = self._admit(lay, blocks)
+        if miss_b:
+            # transfer.cpp copy_blocks: one gather, one scatter.
+            gathered = host.index_select(0, torch.tensor(miss_b, dtype=torch.int64))
+            lay.pool.index_copy_(0, torch.tensor(miss_s, dtype=torch.int64), gathered)
+            self.counters["bytes_h2d"] += len(miss_b) * self.bytes_per_block
+            self.counters["blocks_admitted"] += len(miss_b)
+        self.counters["blocks_hit"] += hits
+        self.counters["blocks_evicted"] += evicted
+        return slots
+
+    def _attend_exact(self, lay: RefLayer, host: torch.Tensor, row: list[int], seq: int, lq: int,
+                      qg: torch.Tensor, st: list[torch.Tensor], scale: float) -> None:
+        """engine.cpp attend_exact."""
+        tb, bs = self.tile_blocks, self.block_size
+        for ti, start in enumerate(range(0, len(row), tb)):
+            blocks = row[start:start + tb]
+            slots = self._admit_and_copy(lay, host, blocks)
+            tile = gather_tile(lay.pool, torch.tensor(slots, dtype=torch.int64))
+            n = len(blocks)
+            mask = tile_mask(seq - lq, lq, ti * tb * bs, n * bs)
+            online_softmax_tile(st, qg, tile, mask, scale)
+            self.counters["tiles_computed"] += 1
+            for s in slots:
+                lay.pins[s] -= 1
+
+    def _attend_selected(self, layer: int, lay: RefLayer, host: torch.Tensor, row: list[int], seq: int, r: int,
+                         q: torch.Tensor, qg: torch.Tensor, st: list[torch.Tensor], scale: float) -> None:
+        """engine.cpp attend_selected."""
+        kvh, bs, tb, d = self.num_kv_heads, self.block_size, self.tile_blocks, self.head_size
+        m = self.sink_blocks + self.top_k + self.recent_blocks
+        nb = len(row)
+        row_blocks = torch.tensor(row, dtype=torch.int64)
+        pos = select_blocks(q, lay.key_min, lay.key_max, row_blocks, self.sink_blocks, self.recent_blocks,
+                            self.top_k)
+        pp = pos.reshape(-1).tolist()
+        union_pos = sorted(set(pp))
+        union_blocks = [row[p] for p in union_pos]
+        slots = self._admit_and_copy(lay, host, union_blocks)
+        slot_of_pos = dict(zip(union_pos, slots))
+        flat = [slot_of_pos[pp[h * m + j]] * kvh + h for h in range(kvh) for j in range(m)]
+        per_head = (lay.pool.view(lay.pool.shape[0] * kvh, 2, bs, d)
+                    .index_select(0, torch.tensor(flat, dtype=torch.int64))
+                    .view(kvh, m, 2, bs, d)
+                    .permute(0, 2, 1, 3, 4))
+        offsets = torch.arange(bs, dtype=torch.int64)
+        for t in range(0, m, tb):
+            n = min(tb, m - t)
+            kpos = pos.narrow(1, t, n).unsqueeze(2).mul(bs).add(offsets).reshape(kvh, n * bs)
+            mask = kpos.gt(seq - 1).view(kvh, 1, 1, n * bs)
+            online_softmax_tile(st, qg, per_head.narrow(2, t, n), mask, scale)
+            self.counters["tiles_computed"] += 1
+        for s in slots:
+            lay.pins[s] -= 1
+        self.selection[layer][r] = row_blocks.index_select(0, pos.reshape(-1)).view(kvh, m)
+        self.counters["compressed_rows"] += 1
+        self.counters["compressed_context_blocks"] += nb
+        self.counters["selected_blocks"] += kvh * m
+        self.counters["union_blocks"] += len(union_blocks)

@@ -6,6 +6,15 @@
 /// missing one takes a free slot (lowest index first) or evicts the least recently used unpinned block (ties: lowest
 /// slot). The blocks of the tile being computed are pinned until the tile is released, so a pool of at least one tile
 /// can stream a context of any length.
+///
+/// Compressed mode (decode rows whose context exceeds the budget): per KV head, the first `sink_blocks` blocks, the
+/// last `recent_blocks` blocks and the top `k` of the others by a query-aware upper bound of q.k, where
+/// k = floor(budget_tokens / block_size) - sink_blocks - recent_blocks. The bound is Quest's page-criticality estimate
+/// (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024): for each
+/// dimension the larger of q_d * min_d and q_d * max_d, summed, i.e. relu(q) . max + min(q, 0) . min, computed as two
+/// batched matmuls. GQA: a KV head scores a block by the maximum of its query heads' bounds. Ties break by lowest
+/// block index (a stable descending sort). The pool admits the union of the heads' blocks; each head attends only to
+/// its own. Prefill rows and rows within the budget run exactly as exact mode.
 #include <activekv/kv_state.h>
 
 #include <cstdint>
@@ -14,10 +23,10 @@
 
 namespace activekv {
 
-/// Admission modes. Only exact mode exists so far.
-enum class Mode : int { kExact = 0 };
+/// Admission modes.
+enum class Mode : int { kExact = 0, kCompressed = 1 };
 
-/// Mode from its option spelling ("exact"). @throws c10::ValueError naming the valid modes.
+/// Mode from its option spelling ("exact" or "compressed"). @throws c10::ValueError naming the valid modes.
 Mode parse_mode(const std::string& name);
 /// Option spelling of a mode.
 const char* mode_name(Mode mode);
@@ -42,5 +51,22 @@ TileAdmission admit_tile(LayerState& layer, const std::vector<int64_t>& blocks, 
 
 /// Unpin the slots of a tile admitted by admit_tile.
 void release_tile(LayerState& layer, const std::vector<int64_t>& slots);
+
+/// Compressed-mode selection parameters, validated by the engine's configuration.
+struct Selection {
+  int64_t sink_blocks = 1;    ///< first blocks of every context, always attended
+  int64_t recent_blocks = 2;  ///< last blocks of every context (the query's own block among them), always attended
+  int64_t top_k = 1;          ///< blocks chosen per KV head from the rest by the Quest bound
+  /// Blocks a selecting row attends per KV head.
+  int64_t per_head() const { return sink_blocks + top_k + recent_blocks; }
+};
+
+/// Select the blocks of one decode row, per KV head.
+/// @param q [1, num_heads, head_size] the row's query (any float dtype; scored in float32)
+/// @param key_min, key_max [host_blocks, num_kv_heads, head_size] float32 per-block key metadata of the layer
+/// @param row_blocks [num_blocks] int64 the row's block ids in position order, num_blocks > sel.per_head()
+/// @return [num_kv_heads, sel.per_head()] int64 block positions (indices into row_blocks), ascending per head
+at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                         const at::Tensor& row_blocks, const Selection& sel);
 
 }  // namespace activekv

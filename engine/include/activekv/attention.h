@@ -55,7 +55,8 @@ at::Tensor gather_tile(const at::Tensor& kv, const at::Tensor& slots);
 /// @param qg [num_kv_heads, group_size * num_q_tokens, head_size] float32 from group_query
 /// @param tile [num_kv_heads, 2, num_tile_blocks, block_size, head_size], head-major (gather_tile, or a permuted
 ///        view of consecutive blocks)
-/// @param mask [num_q_tokens, num_tile_blocks * block_size] bool from tile_mask
+/// @param mask bool, true = masked: [num_q_tokens, num_tile_blocks * block_size] from tile_mask (shared by every head),
+///        or [num_kv_heads, 1, num_q_tokens, num_tile_blocks * block_size] (per-head selections)
 /// @param scale softmax scale (usually head_size^-0.5)
 void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tensor& tile, const at::Tensor& mask,
                          double scale);

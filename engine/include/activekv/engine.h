@@ -21,7 +21,15 @@ struct EngineConfig {
   Geometry geometry;
   int64_t pool_blocks = 0;  ///< active-pool slots per layer, >= geometry.tile_blocks
   Mode mode = Mode::kExact;
+  // Compressed mode only (see admission.h).
+  int64_t budget_tokens = 2048;  ///< tokens a selecting decode row attends per KV head
+  int64_t sink_blocks = 1;
+  int64_t recent_blocks = 2;
 };
+
+/// Blocks a compressed-mode pool must hold for one request row: the union of every KV head's selection,
+/// num_kv_heads * k + sink_blocks + recent_blocks. @throws c10::ValueError if the budget leaves k < 1.
+int64_t worst_case_union_blocks(const EngineConfig& config);
 
 /// One vLLM step's plan, shared by every layer of the step. CPU tensors, copied from vLLM's metadata.
 struct StepPlan {
@@ -36,7 +44,9 @@ struct StepPlan {
 /// The engine. Not thread-safe per instance (vLLM drives one worker thread); distinct instances are independent.
 class Engine {
  public:
-  /// @throws c10::ValueError if pool_blocks < tile_blocks or the geometry is invalid.
+  /// @throws c10::ValueError if pool_blocks < tile_blocks or the geometry is invalid; in compressed mode also if
+  ///         recent_blocks < 1, sink_blocks < 0, budget_tokens < (sink_blocks + recent_blocks + 1) * block_size, or
+  ///         pool_blocks < worst_case_union_blocks.
   Engine(EngineConfig config, at::Device device);
 
   const EngineConfig& config() const { return config_; }
@@ -76,13 +86,22 @@ class Engine {
   /// Count a forward entry that carried no metadata (vLLM warm-up): nothing else happens.
   void note_forward_skipped() { telemetry_.add(Counter::kForwardSkipped); }
 
+  /// Compressed-mode selection parameters (k derived from the budget).
+  const Selection& selection() const { return selection_; }
+
  private:
   void check_layer(int64_t layer) const;
+  void attend_exact(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq, int64_t lq,
+                    const at::Tensor& qg, OnlineSoftmax& st, double scale);
+  void attend_selected(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
+                       int64_t r, const at::Tensor& q, const at::Tensor& qg, OnlineSoftmax& st, double scale);
+  void admit_and_copy(LayerState& L, const at::Tensor& host, TileAdmission& adm);
 
   EngineConfig config_;
   at::Device device_;
   KVState kv_;
   Telemetry telemetry_;
+  Selection selection_;
   uint64_t clock_ = 0;
   std::unordered_map<std::string, int64_t> layer_names_;
 };

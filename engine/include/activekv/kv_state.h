@@ -26,6 +26,8 @@ struct LayerState {
   std::vector<int64_t> block_of_slot;  ///< [pool_blocks] block held by the slot, -1 if free
   std::vector<uint64_t> last_use;      ///< [pool_blocks] admission clock at the slot's last use (LRU)
   std::vector<int32_t> pins;           ///< [pool_blocks] >0 while the current tile uses the slot
+  /// Compressed mode, last forward: (request row, [num_kv_heads, per_head] int64 block ids each head attended).
+  std::vector<std::pair<int64_t, at::Tensor>> last_selection;
 };
 
 /// The two tiers of every layer.

@@ -31,6 +31,10 @@ enum class Counter : int {
   kBytesD2H,             ///< bytes copied pool -> host tier (0: the KV update writes both tiers)
   kTilesComputed,        ///< attention tiles computed (one per request row per tile)
   kHostRebinds,          ///< times a layer's host tier changed storage and its pool/page table was reset
+  kCompressedRows,       ///< decode rows that attended a selection (compressed mode, context beyond the budget)
+  kCompressedContextBlocks,  ///< blocks those rows' contexts held (what exact mode would have attended per head)
+  kSelectedBlocks,       ///< blocks attended, summed over those rows and their KV heads
+  kUnionBlocks,          ///< blocks admitted for those rows: the union over each row's KV heads
   kCount
 };
 
