@@ -59,8 +59,9 @@ class Cell:
                 self.pool_blocks, TILE_BLOCKS)
 
     def engine_kwargs(self) -> dict:
+        # The parity matrix is defined on the ATen tile path (docs/parity.md); the fast kernel is checked against it.
         return {"mode": self.mode, "budget_tokens": self.budget_tokens, "sink_blocks": SINK_BLOCKS,
-                "recent_blocks": RECENT_BLOCKS}
+                "recent_blocks": RECENT_BLOCKS, "kernel": "aten"}
 
     def prompt_lens(self) -> list[int]:
         bs = self.block_size

@@ -107,7 +107,7 @@ def test_warmup_forward_without_metadata_leaves_output_untouched(builder: backen
     ({"mode": "compressed", "budget_tokens": 256, "pool_blocks": 20}, ValueError,
      r"pool_blocks \(20\) must hold the worst-case union .* = 29 blocks"),
     ({"mode": "compressed", "recent_blocks": 0}, ValueError, "recent_blocks must be >= 1"),
-    ({"mode": "compressed", "sink_blocks": -1}, ValueError, "sink_blocks must be >= 0"),
+    ({"mode": "compressed", "sink_blocks": -1}, ValueError, r"sink_blocks.\] must be in \[0, 2\^40\], got -1"),
     ({"pool_blocks": 2, "tile_blocks": 4}, ValueError, r"pool_blocks \(2\) must be >= tile_blocks \(4\)"),
     ({"pool_blocks": "8"}, TypeError, "pool_blocks'\\] must be an int"),
     ({"tile_blocks": 0}, ValueError, "tile_blocks'\\] must be >= 1"),
@@ -241,3 +241,156 @@ def test_importing_a_module_before_torch_is_a_clear_import_error() -> None:
                           timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "ImportError: activekv._backend needs torch" in proc.stderr
+
+
+# --- faults found by the new-user review, each guarded here -------------------------------------------------------
+
+
+def _prefill_and_check(b: backend.Builder, impl: backend.Impl, cache: torch.Tensor, seed: int) -> None:
+    """One 40-token prefill through a builder's engine: KV update, forward, compare with SDPA."""
+    g = torch.Generator().manual_seed(seed)
+    layer = SimpleNamespace(layer_name=LAYERS[0])
+    table = [[3, 1, 6]]
+    slots = [table[0][p // BS] * BS + p % BS for p in range(40)]
+    cm = common_metadata([0, 40], [40], table, slots)
+    plan = b.build(0, cm)
+    q, k, v = torch.randn(40, H, D, generator=g), torch.randn(40, KVH, D, generator=g), torch.randn(40, KVH, D, generator=g)
+    impl.do_kv_cache_update(layer, k, v, cache, cm.slot_mapping)
+    out = torch.empty(40, H, D)
+    impl.forward(layer, q, k, v, cache, plan, out)
+    torch.testing.assert_close(out, sdpa_rows(q, cache, table[0], 40), atol=2e-5, rtol=2e-5)
+
+
+def test_two_builders_with_the_same_layer_names_keep_their_own_caches() -> None:
+    """Two LLMs in one process: each KV update reaches the engine bound to that KV cache, not the newest engine."""
+    opts = vllm_config({"pool_blocks": 3, "tile_blocks": 1})
+    impl = backend.Impl(H, D, D ** -0.5, KVH)
+    first, cache_a = backend.Builder(spec(), LAYERS, opts, torch.device("cpu")), torch.zeros(8, KVH, BS, 2 * D)
+    _prefill_and_check(first, impl, cache_a, seed=1)
+    second, cache_b = backend.Builder(spec(), LAYERS, opts, torch.device("cpu")), torch.zeros(8, KVH, BS, 2 * D)
+    _prefill_and_check(second, impl, cache_b, seed=2)
+    _prefill_and_check(first, impl, cache_a, seed=3)  # the older engine still serves its own cache correctly
+    assert first.engine.snapshot()["kv_update_calls"] == 2 and second.engine.snapshot()["kv_update_calls"] == 1
+
+
+THREAD_SCRIPT = """
+import threading, torch
+import activekv._backend as backend
+H, KVH, D, BS = 4, 2, 32, 16
+e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+cache = torch.zeros(16, KVH, BS, 2 * D)
+e.update_kv(0, torch.randn(256, KVH, D), torch.randn(256, KVH, D), cache, torch.arange(256))
+plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([200], dtype=torch.int32),
+               torch.arange(16, dtype=torch.int32)[None], 1)
+q = torch.randn(1, H, D)
+want = torch.empty(1, H, D)
+e.forward(0, plan, q, cache, want, 0.2)
+bad = []
+def work():
+    for _ in range(100):
+        out = torch.empty(1, H, D)
+        e.forward(0, plan, q, cache, out, 0.2)
+        if not torch.equal(out, want):
+            bad.append(1)
+threads = [threading.Thread(target=work) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print("bad", len(bad))
+"""
+
+
+def test_one_engine_driven_from_several_threads_stays_correct() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", THREAD_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "bad 0"
+
+
+def test_plan_tensors_are_copies() -> None:
+    e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+    plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                   torch.zeros(1, 1, dtype=torch.int32), 1)
+    plan.seq_lens[0] = 2 ** 31 - 1
+    plan.query_start_loc[0] = 30
+    assert plan.seq_lens.tolist() == [3] and plan.query_start_loc.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(("name", "args"), [
+    ("seq_lens", ([0, 1], [2 ** 32 + 1], [[0]])),
+    ("block_table", ([0, 1], [1], [[2 ** 32 + 3]])),
+    ("query_start_loc", ([0, -2 ** 33], [1], [[0]])),
+])
+def test_int64_plan_values_outside_int32_are_rejected(name: str, args: tuple) -> None:
+    e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+    qsl, sl, bt = (torch.tensor(a, dtype=torch.int64) for a in args)
+    with pytest.raises(ValueError, match=f"{name} values must fit in int32"):
+        e.build(qsl, sl, bt, 1)
+
+
+def test_zero_dim_seq_lens_is_a_clear_error() -> None:
+    e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+    with pytest.raises(ValueError, match="seq_lens must be 1-D"):
+        e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor(1, dtype=torch.int32),
+                torch.zeros(1, 1, dtype=torch.int32), 1)
+
+
+def test_grad_and_inference_tensors_are_rejected_before_anything_changes() -> None:
+    e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+    cache = torch.zeros(4, KVH, BS, 2 * D)
+    k = torch.randn(3, KVH, D)
+    e.update_kv(0, k, k, cache, torch.arange(3))
+    plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                   torch.zeros(1, 1, dtype=torch.int32), 1)
+    before = e.snapshot()
+    q = torch.randn(1, H, D)
+    with pytest.raises(ValueError, match="output must not require grad"):
+        e.forward(0, plan, q, cache, torch.zeros(1, H, D, requires_grad=True), 0.1)
+    with pytest.raises(ValueError, match="query must not require grad"):
+        e.forward(0, plan, q.clone().requires_grad_(), cache, torch.zeros(1, H, D), 0.1)
+    with pytest.raises(ValueError, match="key must not require grad"):
+        e.update_kv(0, k.clone().requires_grad_(), k, cache, torch.arange(3))
+    with torch.inference_mode():
+        inference_out = torch.zeros(1, H, D)
+        inference_cache = torch.zeros(4, KVH, BS, 2 * D)
+    with pytest.raises(ValueError, match="output is an inference tensor"):
+        e.forward(0, plan, q, cache, inference_out, 0.1)
+    with pytest.raises(ValueError, match="kv_cache is an inference tensor"):
+        e.update_kv(0, k, k, inference_cache, torch.arange(3))
+    after = e.snapshot()
+    for key in ("forward_calls", "kv_update_calls", "blocks_admitted", "tiles_computed", "host_rebinds"):
+        assert after[key] == before[key], key
+    assert not cache.requires_grad
+    with torch.inference_mode():  # under inference mode (vLLM's), inference tensors are fine
+        e.forward(0, plan, q, cache, inference_out, 0.1)
+
+
+def test_duplicate_slots_are_rejected() -> None:
+    e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+    k = torch.randn(3, KVH, D)
+    with pytest.raises(ValueError, match=r"slot_mapping\[2\] = 5 repeats an earlier slot"):
+        e.update_kv(0, k, k, torch.zeros(4, KVH, BS, 2 * D), torch.tensor([4, 5, 5]))
+
+
+@pytest.mark.parametrize(("options", "exc", "match"), [
+    ({"pool_blocks": 10 ** 12}, ValueError, "pool_blocks = 1000000000000 .* could not be allocated"),
+    ({"pool_blocks": 2 ** 70}, ValueError, r"pool_blocks'\] must be in \[0, 2\^40\]"),
+    ({"mode": None}, TypeError, r"mode'\] must be a str, got None"),
+    ({"kernel": 3}, TypeError, r"kernel'\] must be a str"),
+])
+def test_absurd_option_values_name_the_option(options: dict, exc: type, match: str) -> None:
+    with pytest.raises(exc, match=match):
+        backend.Builder(spec(), LAYERS, vllm_config(options), torch.device("cpu"))
+
+
+def test_geometry_overflow_is_rejected() -> None:
+    with pytest.raises(ValueError, match="below 2\\^40 elements per block"):
+        backend.Engine(1, 1, 1, 2 ** 31, 2 ** 31, torch.float32, 1, 1)
+
+
+def test_aggregate_info_does_not_add_up_sizes() -> None:
+    args = (1, H, KVH, D, BS, torch.float32, 4, 2)
+    engines = [backend.Engine(*args), backend.Engine(*args)]
+    info = telemetry.snapshot()["info"]
+    assert info["block_size"] == BS and info["num_layers"] >= len(engines)

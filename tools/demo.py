@@ -1,8 +1,8 @@
 """vLLM generating with ActiveKV exact mode on a local tiny model, compared token for token with stock vLLM.
 
 `python -m tools.demo` (what `make demo` runs) makes the tiny Llama under build/tiny-llama, generates 32 tokens
-greedily for a batch of 4 prompts whose contexts (up to 545 tokens = 35 blocks) exceed ActiveKV's pool (8 blocks of
-16 tokens per layer), once with stock CPU_ATTN and once with ActiveKV exact mode, one engine after the other, and
+greedily for a batch of 4 prompts (37, 200, 513, 64 tokens; the two longer contexts, up to 545 tokens = 35 blocks,
+exceed ActiveKV's pool of 8 blocks of 16 tokens per layer), once with stock CPU_ATTN and once with ActiveKV exact mode, one engine after the other, and
 prints per prompt the tokens and whether they are equal, the forward steps vLLM counted, and ActiveKV's telemetry.
 
 Exit status: 0 when every prompt's tokens are equal and the native engine ran (one build per vLLM step, one forward

@@ -3,10 +3,12 @@
 // vLLM's patched Python (vllm/v1/attention/backends/activekv.py) imports this module and delegates each contract
 // method in one line. This file reads vLLM's objects (attributes only, plus one config method at start-up) and never
 // imports a Python module or calls a Python callable on the per-step path.
+#include <activekv/cpu_kernel.h>
 #include <activekv/engine.h>
 #include <activekv_py/common.h>
 
 #include <algorithm>
+#include <vector>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -25,18 +27,51 @@ struct PlanHandle {
 };
 
 // vLLM hands do_kv_cache_update the layer but no metadata: find the layer's engine by vLLM layer name, registered
-// by the metadata builder that owns the layer. A later builder for the same names (a new LLM in the process)
-// replaces the entry.
+// by the metadata builder that owns the layer. Two LLMs in one process register the same names (every Llama has
+// model.layers.N.self_attn.attn), so a name may map to several live engines: the one serving this KV cache is the one
+// whose layer is bound to this tensor (bound at its first KV update); a cache no engine has bound yet belongs to the
+// one engine whose layer is still unbound. Anything else is ambiguous and an error, never a guess.
 std::mutex g_layers_mu;
-std::unordered_map<std::string, std::weak_ptr<Engine>> g_layers;
+std::unordered_map<std::string, std::vector<std::weak_ptr<Engine>>> g_layers;
 
-std::shared_ptr<Engine> engine_for_layer(const std::string& name) {
+std::vector<std::shared_ptr<Engine>> live_engines_for(const std::string& name) {
   std::lock_guard<std::mutex> lock(g_layers_mu);
+  std::vector<std::shared_ptr<Engine>> out;
   auto it = g_layers.find(name);
-  auto e = it == g_layers.end() ? nullptr : it->second.lock();
-  TORCH_CHECK_VALUE(e != nullptr, "no ActiveKV engine serves layer '", name,
+  if (it == g_layers.end()) return out;
+  auto& v = it->second;
+  v.erase(std::remove_if(v.begin(), v.end(), [](const std::weak_ptr<Engine>& w) { return w.expired(); }), v.end());
+  for (auto& w : v)
+    if (auto e = w.lock()) out.push_back(std::move(e));
+  return out;
+}
+
+std::shared_ptr<Engine> engine_for_layer(const std::string& name, const at::Tensor& kv_cache) {
+  auto engines = live_engines_for(name);
+  TORCH_CHECK_VALUE(!engines.empty(), "no ActiveKV engine serves layer '", name,
                     "': the ActiveKV metadata builder for its KV-cache group was not created or was released");
-  return e;
+  if (engines.size() == 1) return engines.front();
+  std::shared_ptr<Engine> bound, unbound;
+  int64_t n_bound = 0, n_unbound = 0;
+  for (auto& e : engines) {
+    const auto& host = e->kv_state().layer(e->layer_index(name)).host;
+    if (!host.defined()) {
+      unbound = e;
+      ++n_unbound;
+    } else if (kv_cache.defined() && host.data_ptr() == kv_cache.data_ptr()) {
+      bound = e;
+      ++n_bound;
+    }
+  }
+  if (n_bound == 1) return bound;
+  TORCH_CHECK(n_bound == 0 && n_unbound == 1, "layer '", name, "' is served by ", engines.size(),
+              " live ActiveKV engines and this KV cache does not identify one of them");
+  return unbound;
+}
+
+void register_layers(const std::shared_ptr<Engine>& engine, const std::vector<std::string>& names) {
+  std::lock_guard<std::mutex> lock(g_layers_mu);
+  for (const auto& n : names) g_layers[n].push_back(engine);
 }
 
 std::string layer_name(const py::handle& layer) {
@@ -46,7 +81,7 @@ std::string layer_name(const py::handle& layer) {
 }
 
 const std::set<std::string>& builder_option_keys() {
-  static const std::set<std::string> keys{"mode",          "pool_blocks", "tile_blocks",
+  static const std::set<std::string> keys{"mode",          "pool_blocks", "tile_blocks",  "kernel",
                                           "budget_tokens", "sink_blocks", "recent_blocks"};
   return keys;
 }
@@ -60,7 +95,11 @@ int64_t option_int(const py::dict& opts, const char* key, int64_t dflt) {
   py::object v = opts[key];
   TORCH_CHECK_TYPE(py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v), "additional_config['activekv']['",
                    key, "'] must be an int, got ", std::string(py::repr(v)));
-  return v.cast<int64_t>();
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  TORCH_CHECK_VALUE(overflow == 0 && x >= 0 && x <= (int64_t{1} << 40), "additional_config['activekv']['", key,
+                    "'] must be in [0, 2^40], got ", std::string(py::repr(v)));
+  return x;
 }
 
 // Read additional_config["activekv"]: a dict whose keys are all known.
@@ -76,7 +115,8 @@ py::dict activekv_options(const py::handle& vllm_config) {
   for (auto item : od) {
     const auto key = py::str(item.first).cast<std::string>();
     TORCH_CHECK_VALUE(builder_option_keys().count(key), "unknown ActiveKV option additional_config['activekv']['",
-                      key, "']; known options: mode, pool_blocks, tile_blocks, budget_tokens, sink_blocks, recent_blocks");
+                      key, "']; known options: mode, pool_blocks, tile_blocks, kernel, budget_tokens, sink_blocks, "
+                      "recent_blocks");
   }
   return od;
 }
@@ -132,9 +172,16 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
   const auto num_heads =
       model_config.attr("get_num_attention_heads")(vllm_config.attr("parallel_config")).cast<int64_t>();
   py::dict opts = activekv_options(vllm_config);
-  const std::string mode = opts.contains("mode") ? py::str(opts["mode"]).cast<std::string>() : "exact";
+  for (const char* key : {"mode", "kernel"}) {
+    if (!opts.contains(key)) continue;
+    py::object v = opts[key];
+    TORCH_CHECK_TYPE(py::isinstance<py::str>(v), "additional_config['activekv']['", key, "'] must be a str, got ",
+                     std::string(py::repr(v)));
+  }
+  const std::string mode = opts.contains("mode") ? opts["mode"].cast<std::string>() : "exact";
   activekv::EngineConfig cfg;
   cfg.mode = activekv::parse_mode(mode);
+  if (opts.contains("kernel")) cfg.kernel = activekv::parse_kernel(opts["kernel"].cast<std::string>());
   const int64_t tile_blocks = option_int(opts, "tile_blocks", kDefaultTileBlocks);
   TORCH_CHECK_VALUE(tile_blocks >= 1, "additional_config['activekv']['tile_blocks'] must be >= 1, got ",
                     tile_blocks);
@@ -152,8 +199,7 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
                     cfg.pool_blocks);
   auto engine = std::make_shared<Engine>(cfg, device);
   engine->set_layer_names(layer_names);
-  std::lock_guard<std::mutex> lock(g_layers_mu);
-  for (const auto& n : layer_names) g_layers[n] = engine;
+  register_layers(engine, layer_names);
   return engine;
 }
 
@@ -182,11 +228,12 @@ PYBIND11_MODULE(_backend, m) {
   py::class_<PlanHandle>(m, "StepPlan", "One vLLM step's plan (the attention metadata every layer's forward gets).")
       .def_property_readonly("num_reqs", [](const PlanHandle& p) { return p.plan.num_reqs; })
       .def_property_readonly("num_actual_tokens", [](const PlanHandle& p) { return p.plan.num_actual_tokens; })
-      .def_property_readonly("query_start_loc", [](const PlanHandle& p) { return p.plan.query_start_loc; },
-                             "int32 [num_reqs + 1] (a copy owned by the plan).")
-      .def_property_readonly("seq_lens", [](const PlanHandle& p) { return p.plan.seq_lens; }, "int32 [num_reqs].")
-      .def_property_readonly("block_table", [](const PlanHandle& p) { return p.plan.block_table; },
-                             "int32 [num_reqs, max_blocks].");
+      .def_property_readonly("query_start_loc", [](const PlanHandle& p) { return p.plan.query_start_loc.clone(); },
+                             "int32 [num_reqs + 1], a copy (the plan's own tensors cannot be changed after build).")
+      .def_property_readonly("seq_lens", [](const PlanHandle& p) { return p.plan.seq_lens.clone(); },
+                             "int32 [num_reqs], a copy.")
+      .def_property_readonly("block_table", [](const PlanHandle& p) { return p.plan.block_table.clone(); },
+                             "int32 [num_reqs, max_blocks], a copy.");
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
                                                "The ActiveKV engine: host tier + active pool + admission + tiled "
@@ -194,7 +241,7 @@ PYBIND11_MODULE(_backend, m) {
       .def(py::init([](int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                        int64_t block_size, at::ScalarType dtype, int64_t pool_blocks, int64_t tile_blocks,
                        at::Device device, const std::string& mode, int64_t budget_tokens, int64_t sink_blocks,
-                       int64_t recent_blocks) {
+                       int64_t recent_blocks, const std::string& kernel) {
              activekv::EngineConfig cfg;
              cfg.geometry = activekv::Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
                                                tile_blocks);
@@ -203,17 +250,20 @@ PYBIND11_MODULE(_backend, m) {
              cfg.budget_tokens = budget_tokens;
              cfg.sink_blocks = sink_blocks;
              cfg.recent_blocks = recent_blocks;
+             cfg.kernel = activekv::parse_kernel(kernel);
              return std::make_shared<Engine>(cfg, device);
            }),
            py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
            py::arg("block_size"), py::arg("dtype"), py::arg("pool_blocks"), py::arg("tile_blocks"),
            py::arg("device") = at::Device("cpu"), py::arg("mode") = "exact", py::arg("budget_tokens") = 2048,
-           py::arg("sink_blocks") = 1, py::arg("recent_blocks") = 2,
-           "mode 'exact' or 'compressed' (budget_tokens, sink_blocks, recent_blocks apply to compressed mode).")
+           py::arg("sink_blocks") = 1, py::arg("recent_blocks") = 2, py::arg("kernel") = "native",
+           "mode 'exact' or 'compressed' (budget_tokens, sink_blocks, recent_blocks apply to compressed mode); kernel "
+           "'native' (fast CPU kernel) or 'aten' (the bit-exact ATen tile path the reference mirrors).")
       .def(
           "build",
           [](const std::shared_ptr<Engine>& e, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
              const at::Tensor& block_table, int64_t num_actual_tokens, std::optional<int64_t> num_reqs) {
+            TORCH_CHECK_VALUE(seq_lens.dim() == 1, "seq_lens must be 1-D [num_reqs], got ", seq_lens.sizes());
             const int64_t n = num_reqs ? *num_reqs : seq_lens.size(0);
             PlanHandle h{e, {}};
             {
@@ -268,7 +318,9 @@ PYBIND11_MODULE(_backend, m) {
       .def_property_readonly("pool_blocks", [](Engine& e) { return e.config().pool_blocks; })
       .def_property_readonly("tile_blocks", [](Engine& e) { return e.geometry().tile_blocks; })
       .def_property_readonly("block_size", [](Engine& e) { return e.geometry().block_size; })
-      .def_property_readonly("mode", [](Engine& e) { return std::string(activekv::mode_name(e.config().mode)); });
+      .def_property_readonly("mode", [](Engine& e) { return std::string(activekv::mode_name(e.config().mode)); })
+      .def_property_readonly("kernel",
+                             [](Engine& e) { return std::string(activekv::kernel_name(e.config().kernel)); });
 
   py::class_<Builder>(m, "Builder", "vLLM AttentionMetadataBuilder delegate: creates the engine for a KV-cache group.")
       .def(py::init([](py::object kv_cache_spec, std::vector<std::string> layer_names, py::object vllm_config,
@@ -317,7 +369,7 @@ PYBIND11_MODULE(_backend, m) {
                                         "ActiveKV does not support fused output quantization");
             const std::string name = layer_name(layer);
             if (attn_metadata.is_none()) {  // vLLM warm-up / profiling run: leave output untouched
-              engine_for_layer(name)->note_forward_skipped();
+              engine_for_layer(name, kv_cache)->note_forward_skipped();
               return output;
             }
             TORCH_CHECK_TYPE(py::isinstance<PlanHandle>(attn_metadata),
@@ -337,7 +389,7 @@ PYBIND11_MODULE(_backend, m) {
           "do_kv_cache_update",
           [](const Impl&, py::object layer, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
              const at::Tensor& slot_mapping) {
-            auto engine = engine_for_layer(layer_name(layer));
+            auto engine = engine_for_layer(layer_name(layer), kv_cache);
             const int64_t idx = engine->layer_index(layer_name(layer));
             py::gil_scoped_release release;
             engine->update_kv(idx, key, value, kv_cache, slot_mapping);
@@ -346,6 +398,8 @@ PYBIND11_MODULE(_backend, m) {
           "Write key/value [T, KVH, D] into the layer's KV cache at slot_mapping (-1 = padding).");
 
   m.def("name", []() { return std::string("ACTIVEKV"); }, "The backend name vLLM selects.");
+  m.def("cpu_kernel_capability", &activekv::cpu_kernel_capability,
+        "CPU capability of the fast kernel in use: 'avx512', 'avx2' or 'default' (ATEN_CPU_CAPABILITY caps it).");
   m.def("supported_dtypes", &activekv::supported_dtypes, "Model dtypes the backend supports.");
   m.def("supported_kv_cache_dtypes", []() { return std::vector<std::string>{"auto"}; },
         "KV-cache dtypes the backend supports (no fp8).");

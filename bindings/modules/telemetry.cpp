@@ -39,19 +39,23 @@ PYBIND11_MODULE(_telemetry, m) {
             h.count += o.count;
             h.sum += o.sum;
           }
-          for (const auto& [k, v] : s.info) {
-            bool found = false;
-            for (auto& [tk, tv] : total.info)
-              if (tk == k) tv += v, found = true;
-            if (!found) total.info.emplace_back(k, v);
+          // info: num_layers adds up (layers served); any other fact is kept only where every engine agrees.
+          std::vector<std::pair<std::string, int64_t>> merged;
+          for (const auto& [tk, tv] : total.info) {
+            for (const auto& [k, v] : s.info) {
+              if (k != tk) continue;
+              if (k == "num_layers") merged.emplace_back(k, tv + v);
+              else if (v == tv) merged.emplace_back(k, tv);
+            }
           }
+          total.info = std::move(merged);
         }
         py::dict d = snapshot_to_dict(total);
         d["engines"] = static_cast<int64_t>(all.size());
         return d;
       },
-      "Counters, histograms and info summed over every live engine, plus 'engines' (how many); "
-      "counters are empty when no engine is alive.");
+      "Counters and histograms summed over every live engine, plus 'engines' (how many); info holds num_layers "
+      "summed and the other facts where every engine agrees. Empty counters when no engine is alive.");
   py::list names;
   for (int i = 0; i < static_cast<int>(activekv::Counter::kCount); ++i)
     names.append(activekv::counter_name(static_cast<activekv::Counter>(i)));

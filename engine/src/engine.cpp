@@ -1,8 +1,14 @@
 #include <activekv/check.h>
+#include <activekv/cpu_kernel.h>
 #include <activekv/engine.h>
+
+#include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 
 namespace activekv {
 
@@ -16,6 +22,21 @@ void check_index_tensor(const at::Tensor& t, const char* name, int64_t dim) {
   AKV_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got ", shape_str(t.sizes()));
 }
 
+// The plan is kept as int32 (vLLM's own dtype): an int64 value outside int32 is an error, never a silent wrap.
+void check_int32_range(const at::Tensor& t, const char* name) {
+  if (t.scalar_type() != at::kLong || t.numel() == 0) return;
+  const auto lo = t.min().item<int64_t>(), hi = t.max().item<int64_t>();
+  AKV_CHECK_VALUE(lo >= std::numeric_limits<int32_t>::min() && hi <= std::numeric_limits<int32_t>::max(), name,
+                  " values must fit in int32, got the range [", lo, ", ", hi, "]");
+}
+
+// Tensors the engine writes in place, or reads under autograd, must be plain data: checked before anything changes.
+void check_writable(const at::Tensor& t, const char* name) {
+  AKV_CHECK_VALUE(!t.requires_grad(), name, " must not require grad (ActiveKV computes without autograd)");
+  AKV_CHECK_VALUE(!t.is_inference() || c10::InferenceMode::is_enabled(), name,
+                  " is an inference tensor: call under torch.inference_mode(), as vLLM does");
+}
+
 // Pins of an admitted tile are released even when an exception leaves the loop.
 struct TilePins {
   LayerState& layer;
@@ -23,6 +44,14 @@ struct TilePins {
   ~TilePins() { release_tile(layer, slots); }
 };
 }  // namespace
+
+Kernel parse_kernel(const std::string& name) {
+  if (name == "native") return Kernel::kNative;
+  AKV_CHECK_VALUE(name == "aten", "kernel must be 'native' or 'aten', got '", name, "'");
+  return Kernel::kAten;
+}
+
+const char* kernel_name(Kernel kernel) { return kernel == Kernel::kNative ? "native" : "aten"; }
 
 const char* engine_version() { return ACTIVEKV_VERSION; }
 const char* engine_torch_version() { return ACTIVEKV_TORCH_VERSION; }
@@ -95,6 +124,10 @@ StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_
                   seq_lens.size(0));
   AKV_CHECK_VALUE(block_table.size(0) >= num_reqs, "block_table must have >= num_reqs = ", num_reqs,
                   " rows, got ", block_table.size(0));
+  check_int32_range(query_start_loc, "query_start_loc");
+  check_int32_range(seq_lens, "seq_lens");
+  check_int32_range(block_table, "block_table");
+  std::lock_guard<std::mutex> lock(mu_);
   StepPlan p;
   p.query_start_loc = query_start_loc.narrow(0, 0, num_reqs + 1).to(at::kCPU, at::kInt).contiguous().clone();
   p.seq_lens = seq_lens.narrow(0, 0, num_reqs).to(at::kCPU, at::kInt).contiguous().clone();
@@ -125,6 +158,11 @@ void Engine::update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& v
                        const at::Tensor& slot_mapping) {
   check_layer(layer);
   auto host = kv_.host_view(kv_cache);
+  check_writable(kv_cache, "kv_cache");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"key", &key}, {"value", &value}})
+    AKV_CHECK_VALUE(!t->defined() || !t->requires_grad(), name, " must not require grad");
+  std::lock_guard<std::mutex> lock(mu_);
+  c10::AutoGradMode no_grad(false);
   kv_.write(layer, host, key, value, slot_mapping, telemetry_);
   telemetry_.add(Counter::kKvUpdateCalls);
 }
@@ -151,6 +189,11 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
                   ", ", h, ", ", d, "] or [>= ", used, ", ", h * d, "], got ", shape_str(output.sizes()));
   AKV_CHECK_VALUE(output.device() == device_, "output must be on ", device_, ", got ", output.device());
   auto host = kv_.host_view(kv_cache);
+  check_writable(output, "output");
+  check_writable(kv_cache, "kv_cache");
+  AKV_CHECK_VALUE(!query.requires_grad(), "query must not require grad (ActiveKV computes without autograd)");
+  std::lock_guard<std::mutex> lock(mu_);
+  c10::AutoGradMode no_grad(false);
   const int64_t host_blocks = host.size(0);
   // Validate every block id the plan will touch before admitting any: nothing is half-applied on bad input.
   const int64_t width = plan.block_table.size(1);
@@ -177,6 +220,7 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
     const int64_t nb = g.blocks_for(seq);
     auto q = query.narrow(0, q0, lq);
     auto qg = group_query(q, g.num_kv_heads);
+    if (use_native()) qg = qg.contiguous();  // the kernel reads rows by pointer
     auto st = online_softmax_init(g.num_kv_heads, qg.size(1), d, device_);
     if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
       attend_selected(L, host, bt + r * width, nb, seq, r, q, qg, st, scale);
@@ -213,10 +257,22 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
     auto adm = admit_tile(L, blocks, clock_);
     TilePins pins{L, adm.slots};
     admit_and_copy(L, host, adm);
-    auto tile = gather_tile(L.pool, index_tensor(adm.slots, device_));  // [KVH, 2, n, bs, D]
     const int64_t n = static_cast<int64_t>(blocks.size());
-    auto mask = tile_mask(seq - lq, lq, static_cast<int64_t>(ti) * tb * bs, n * bs, device_);
-    online_softmax_tile(st, qg, tile, mask, scale);
+    if (use_native()) {
+      const int64_t kvh = geometry().num_kv_heads;
+      std::vector<int64_t> slots(kvh * n), pos(kvh * n);
+      for (int64_t hh = 0; hh < kvh; ++hh) {
+        for (int64_t j = 0; j < n; ++j) {
+          slots[hh * n + j] = adm.slots[j];
+          pos[hh * n + j] = static_cast<int64_t>(ti) * tb + j;
+        }
+      }
+      native_tile(L, slots.data(), pos.data(), n, seq - lq, lq, qg, st, scale);
+    } else {
+      auto tile = gather_tile(L.pool, index_tensor(adm.slots, device_));  // [KVH, 2, n, bs, D]
+      auto mask = tile_mask(seq - lq, lq, static_cast<int64_t>(ti) * tb * bs, n * bs, device_);
+      online_softmax_tile(st, qg, tile, mask, scale);
+    }
     telemetry_.add(Counter::kTilesComputed);
   }
 }
@@ -239,33 +295,92 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
   auto adm = admit_tile(L, union_blocks, clock_);
   TilePins pins{L, adm.slots};
   admit_and_copy(L, host, adm);
-  // Each head gathers its own blocks: row h*m + j of [KVH * m, 2, bs, D] is (block pos[h, j], head h). The pool
-  // [P, KVH, 2, bs, D] viewed as [P * KVH, 2, bs, D] has K and V of one (block, head) in one contiguous row.
-  std::vector<int64_t> flat(kvh * m);
+  std::vector<int64_t> head_slots(kvh * m);
   for (int64_t hh = 0; hh < kvh; ++hh) {
     for (int64_t j = 0; j < m; ++j) {
       const int64_t u = std::lower_bound(union_pos.begin(), union_pos.end(), pp[hh * m + j]) - union_pos.begin();
-      flat[hh * m + j] = adm.slots[u] * kvh + hh;
+      head_slots[hh * m + j] = adm.slots[u];
     }
   }
-  auto per_head = L.pool.view({L.pool.size(0) * kvh, 2, bs, g.head_size})
-                      .index_select(0, index_tensor(flat, device_))
-                      .view({kvh, m, 2, bs, g.head_size})
-                      .permute({0, 2, 1, 3, 4});  // [KVH, 2, m, bs, D]
-  auto offsets = at::arange(bs, at::TensorOptions().dtype(at::kLong).device(device_));
-  for (int64_t t = 0; t < m; t += tb) {
-    const int64_t n = std::min(tb, m - t);
-    // Per-head causal mask of the decode token (position seq - 1): only the unwritten tail of the last block.
-    auto kpos = pos.narrow(1, t, n).unsqueeze(2).mul(bs).add(offsets).reshape({kvh, n * bs});
-    auto mask = kpos.gt(seq - 1).view({kvh, 1, 1, n * bs});
-    online_softmax_tile(st, qg, per_head.narrow(2, t, n), mask, scale);
-    telemetry_.add(Counter::kTilesComputed);
+  if (use_native()) {
+    // Tiles of tile_blocks per head, as the ATen path below (same tile count in telemetry).
+    for (int64_t t = 0; t < m; t += tb) {
+      const int64_t n = std::min(tb, m - t);
+      std::vector<int64_t> slots(kvh * n), tpos(kvh * n);
+      for (int64_t hh = 0; hh < kvh; ++hh) {
+        for (int64_t j = 0; j < n; ++j) {
+          slots[hh * n + j] = head_slots[hh * m + t + j];
+          tpos[hh * n + j] = pp[hh * m + t + j];
+        }
+      }
+      native_tile(L, slots.data(), tpos.data(), n, seq - 1, 1, qg, st, scale);
+      telemetry_.add(Counter::kTilesComputed);
+    }
+  } else {
+    // Each head gathers its own blocks: row h*m + j of [KVH * m, 2, bs, D] is (block pos[h, j], head h). The pool
+    // [P, KVH, 2, bs, D] viewed as [P * KVH, 2, bs, D] has K and V of one (block, head) in one contiguous row.
+    std::vector<int64_t> flat(kvh * m);
+    for (int64_t i = 0; i < kvh * m; ++i) flat[i] = head_slots[i] * kvh + i / m;
+    auto per_head = L.pool.view({L.pool.size(0) * kvh, 2, bs, g.head_size})
+                        .index_select(0, index_tensor(flat, device_))
+                        .view({kvh, m, 2, bs, g.head_size})
+                        .permute({0, 2, 1, 3, 4});  // [KVH, 2, m, bs, D]
+    auto offsets = at::arange(bs, at::TensorOptions().dtype(at::kLong).device(device_));
+    for (int64_t t = 0; t < m; t += tb) {
+      const int64_t n = std::min(tb, m - t);
+      // Per-head causal mask of the decode token (position seq - 1): only the unwritten tail of the last block.
+      auto kpos = pos.narrow(1, t, n).unsqueeze(2).mul(bs).add(offsets).reshape({kvh, n * bs});
+      auto mask = kpos.gt(seq - 1).view({kvh, 1, 1, n * bs});
+      online_softmax_tile(st, qg, per_head.narrow(2, t, n), mask, scale);
+      telemetry_.add(Counter::kTilesComputed);
+    }
   }
   L.last_selection.emplace_back(r, row_blocks.index_select(0, pos_cpu.view({-1})).view({kvh, m}));
   telemetry_.add(Counter::kCompressedRows);
   telemetry_.add(Counter::kCompressedContextBlocks, nb);
   telemetry_.add(Counter::kSelectedBlocks, kvh * m);
   telemetry_.add(Counter::kUnionBlocks, static_cast<int64_t>(union_blocks.size()));
+}
+
+}  // namespace activekv
+
+namespace activekv {
+
+void Engine::native_tile(LayerState& L, const int64_t* slots, const int64_t* pos, int64_t n, int64_t first_query_pos,
+                         int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
+  const auto& g = geometry();
+  const int64_t kvh = g.num_kv_heads, rows = qg.size(1), d = g.head_size, bs = g.block_size;
+  TORCH_INTERNAL_ASSERT(qg.is_contiguous() && st.m.is_contiguous() && st.l.is_contiguous() && st.acc.is_contiguous());
+  const auto* pool = static_cast<const char*>(L.pool.data_ptr());
+  const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(L.pool.element_size());  // K and V of (block, head)
+  std::vector<const void*> ptrs(kvh * n);
+  for (int64_t hh = 0; hh < kvh; ++hh)
+    for (int64_t j = 0; j < n; ++j) ptrs[hh * n + j] = pool + (slots[hh * n + j] * kvh + hh) * run_bytes;
+  const float* q = qg.data_ptr<float>();
+  float* m = st.m.data_ptr<float>();
+  float* l = st.l.data_ptr<float>();
+  float* acc = st.acc.data_ptr<float>();
+  // One task per KV head: each head's arithmetic is sequential, so results do not depend on the thread count.
+  at::parallel_for(0, kvh, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t hh = begin; hh < end; ++hh) {
+      AttendArgs a;
+      a.dtype = g.dtype;
+      a.block_size = bs;
+      a.head_size = d;
+      a.rows = rows;
+      a.num_q = lq;
+      a.first_query_pos = first_query_pos;
+      a.scale = scale;
+      a.q = q + hh * rows * d;
+      a.num_blocks = n;
+      a.kv = ptrs.data() + hh * n;
+      a.block_pos = pos + hh * n;
+      a.m = m + hh * rows;
+      a.l = l + hh * rows;
+      a.acc = acc + hh * rows * d;
+      attend_blocks_cpu(a);
+    }
+  });
 }
 
 }  // namespace activekv

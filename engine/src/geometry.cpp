@@ -37,6 +37,13 @@ Geometry::Geometry(int64_t num_layers_, int64_t num_heads_, int64_t num_kv_heads
   AKV_CHECK_VALUE(head_size > 0, "head_size must be > 0, got ", head_size);
   AKV_CHECK_VALUE(block_size > 0, "block_size must be > 0, got ", block_size);
   AKV_CHECK_VALUE(tile_blocks > 0, "tile_blocks must be > 0, got ", tile_blocks);
+  int64_t elems = 0;
+  const bool overflow = __builtin_mul_overflow(num_kv_heads, 2 * block_size, &elems) ||
+                        __builtin_mul_overflow(elems, head_size, &elems) || elems > (int64_t{1} << 40) ||
+                        __builtin_mul_overflow(tile_blocks, block_size, &elems);
+  AKV_CHECK_VALUE(!overflow, "num_kv_heads * 2 * block_size * head_size must stay below 2^40 elements per block and ",
+                  "tile_blocks * block_size within int64, got num_kv_heads ", num_kv_heads, ", block_size ", block_size,
+                  ", head_size ", head_size, ", tile_blocks ", tile_blocks);
   const auto dts = supported_dtypes();
   AKV_CHECK_TYPE(std::find(dts.begin(), dts.end(), dtype) != dts.end(),
                  "dtype must be float32, bfloat16 or float16, got ", dtype);
@@ -49,7 +56,7 @@ std::pair<int64_t, int64_t> Geometry::slot_to_block(int64_t slot) const {
 
 int64_t Geometry::blocks_for(int64_t length) const {
   AKV_CHECK_VALUE(length >= 0, "length must be >= 0, got ", length);
-  return (length + block_size - 1) / block_size;
+  return length / block_size + (length % block_size != 0);
 }
 
 int64_t Geometry::bytes_per_block() const {

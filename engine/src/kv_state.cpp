@@ -3,6 +3,7 @@
 #include <activekv/transfer.h>
 
 #include <limits>
+#include <unordered_set>
 
 namespace activekv {
 
@@ -14,8 +15,16 @@ KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device)
     : g_(g), pool_blocks_(pool_blocks), device_(device) {
   AKV_CHECK_VALUE(pool_blocks >= 1, "pool_blocks must be >= 1, got ", pool_blocks);
   layers_.resize(g.num_layers);
+  int64_t bytes = 0;
+  AKV_CHECK_VALUE(!__builtin_mul_overflow(pool_blocks, g.bytes_per_block(), &bytes), "pool_blocks (", pool_blocks,
+                  ") x ", g.bytes_per_block(), " bytes per block overflows");
   for (auto& l : layers_) {
-    l.pool = at::zeros(g.kv_cache_shape(pool_blocks), at::TensorOptions().dtype(g.dtype).device(device));
+    try {
+      l.pool = at::zeros(g.kv_cache_shape(pool_blocks), at::TensorOptions().dtype(g.dtype).device(device));
+    } catch (const c10::Error& e) {
+      AKV_CHECK_VALUE(false, "the active pool of pool_blocks = ", pool_blocks, " (", bytes,
+                      " bytes per layer) could not be allocated on ", device, ": ", e.what_without_backtrace());
+    }
     l.block_of_slot.assign(pool_blocks, -1);
     l.last_use.assign(pool_blocks, 0);
     l.pins.assign(pool_blocks, 0);
@@ -88,6 +97,7 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
   const int64_t* sp = sm.data_ptr<int64_t>();
   const int64_t num_slots = host.size(0) * bs;
   std::vector<int64_t> tok, blk, off, reset;
+  std::unordered_set<int64_t> seen;
   int64_t padding = 0;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t s = sp[i];
@@ -97,6 +107,8 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
     }
     AKV_CHECK_INDEX(s >= 0 && s < num_slots, "slot_mapping[", i, "] must be -1 (padding) or in [0, ", num_slots,
                     "), got ", s);
+    // Two tokens into one slot would make the write order (and so the bytes) unspecified.
+    AKV_CHECK_VALUE(seen.insert(s).second, "slot_mapping[", i, "] = ", s, " repeats an earlier slot");
     tok.push_back(i);
     blk.push_back(s / bs);
     off.push_back(s % bs);

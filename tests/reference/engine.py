@@ -153,7 +153,9 @@ class RefEngine:
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
                  dtype: torch.dtype, pool_blocks: int, tile_blocks: int, mode: str = "exact",
-                 budget_tokens: int = 2048, sink_blocks: int = 1, recent_blocks: int = 2) -> None:
+                 budget_tokens: int = 2048, sink_blocks: int = 1, recent_blocks: int = 2, kernel: str = "aten") -> None:
+        if kernel != "aten":
+            raise ValueError(f"the reference mirrors the ATen tile path only, got kernel={kernel!r}")
         self.mode, self.sink_blocks, self.recent_blocks = mode, sink_blocks, recent_blocks
         self.top_k = budget_tokens // block_size - sink_blocks - recent_blocks
         self.selection: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]

@@ -10,17 +10,30 @@
 #include <activekv/transfer.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace activekv {
 
+/// Which attention kernel computes each tile.
+enum class Kernel : int {
+  kAten = 0,    ///< the ATen tile path: the bit-exact path the Python reference mirrors
+  kNative = 1,  ///< the fast CPU kernel (cpu_kernel.h): reads pool blocks in place; held to docs/parity.md
+};
+
+/// Kernel from its option spelling ("native" or "aten"). @throws c10::ValueError naming the valid kernels.
+Kernel parse_kernel(const std::string& name);
+/// Option spelling of a kernel.
+const char* kernel_name(Kernel kernel);
+
 /// Engine configuration, validated at construction.
 struct EngineConfig {
   Geometry geometry;
   int64_t pool_blocks = 0;  ///< active-pool slots per layer, >= geometry.tile_blocks
   Mode mode = Mode::kExact;
+  Kernel kernel = Kernel::kNative;  ///< kNative on CPU (falls back to kAten on other devices)
   // Compressed mode only (see admission.h).
   int64_t budget_tokens = 2048;  ///< tokens a selecting decode row attends per KV head
   int64_t sink_blocks = 1;
@@ -41,7 +54,8 @@ struct StepPlan {
   int64_t build_id = 0;           ///< build counter value that made this plan
 };
 
-/// The engine. Not thread-safe per instance (vLLM drives one worker thread); distinct instances are independent.
+/// The engine. build, update_kv and forward serialise on a per-engine mutex, so one engine may be driven from several
+/// threads (vLLM drives it from one); distinct instances are independent and run in parallel.
 class Engine {
  public:
   /// @throws c10::ValueError if pool_blocks < tile_blocks or the geometry is invalid; in compressed mode also if
@@ -96,6 +110,11 @@ class Engine {
   void attend_selected(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
                        int64_t r, const at::Tensor& q, const at::Tensor& qg, OnlineSoftmax& st, double scale);
   void admit_and_copy(LayerState& L, const at::Tensor& host, TileAdmission& adm);
+  /// Fast kernel over `n` blocks per KV head: slots[h * n + j] is the pool slot of head h's j-th block, at row
+  /// position pos[h * n + j].
+  void native_tile(LayerState& L, const int64_t* slots, const int64_t* pos, int64_t n, int64_t first_query_pos,
+                   int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
+  bool use_native() const { return config_.kernel == Kernel::kNative && device_.is_cpu(); }
 
   EngineConfig config_;
   at::Device device_;
@@ -104,6 +123,7 @@ class Engine {
   Selection selection_;
   uint64_t clock_ = 0;
   std::unordered_map<std::string, int64_t> layer_names_;
+  std::mutex mu_;
 };
 
 /// Engine version string and the torch version it was built against.

@@ -1,0 +1,48 @@
+#pragma once
+/// @file cpu_kernel.h
+/// @brief Fast CPU attention kernel: online softmax over blocks read in place from the pool (no gather copy), one
+///        (request row, KV head) at a time, with the GQA group's query rows sharing each pass over a block.
+///
+/// Built once per CPU capability (DEFAULT, AVX2, AVX512) with ATen's `at::vec::Vectorized` and chosen at run time
+/// (`ATEN_CPU_CAPABILITY=default|avx2|avx512` caps the choice, as it does for ATen). Float32 math whatever the KV
+/// dtype. The arithmetic order is fixed per (row, KV head), so results are identical run to run and across thread
+/// counts; they are not bit-identical to the ATen tile path (vectorised dot products and exp): docs/parity.md states
+/// the contract and tests/test_cpu_kernel.py checks it.
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace activekv {
+
+/// One (request row, KV head) step of the online softmax over a list of blocks.
+struct AttendArgs {
+  at::ScalarType dtype = at::kFloat;  ///< K/V dtype: float32, bfloat16 or float16
+  int64_t block_size = 0;
+  int64_t head_size = 0;
+  int64_t rows = 0;           ///< query rows of this KV head: group_size * num_q_tokens (row = g * num_q + i)
+  int64_t num_q = 0;          ///< query tokens of the request row
+  int64_t first_query_pos = 0;  ///< position of query token 0; token i sits at first_query_pos + i (causal limit)
+  double scale = 1.0;         ///< softmax scale, applied to q . k
+  const float* q = nullptr;   ///< [rows, head_size] float32
+  int64_t num_blocks = 0;
+  const void* const* kv = nullptr;  ///< [num_blocks] each -> [2, block_size, head_size] (K then V) of one block/head
+  const int64_t* block_pos = nullptr;  ///< [num_blocks] position of each block in the row (keys at pos * bs + t)
+  float* m = nullptr;    ///< [rows] running max (in/out)
+  float* l = nullptr;    ///< [rows] running sum (in/out)
+  float* acc = nullptr;  ///< [rows, head_size] rescaled accumulator (in/out)
+};
+
+/// Run the kernel of the best available capability.
+void attend_blocks_cpu(const AttendArgs& args);
+
+/// The capability attend_blocks_cpu uses: "avx512", "avx2" or "default".
+const char* cpu_kernel_capability();
+
+namespace cpu_kernel {
+// One definition per capability (engine/src/cpu/attend_kernel.cpp compiled three times).
+namespace DEFAULT { void attend_blocks(const AttendArgs& args); }
+namespace AVX2 { void attend_blocks(const AttendArgs& args); }
+namespace AVX512 { void attend_blocks(const AttendArgs& args); }
+}  // namespace cpu_kernel
+
+}  // namespace activekv

@@ -1,0 +1,51 @@
+#include <activekv/cpu_kernel.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace activekv {
+
+namespace {
+enum class Cap { kDefault, kAvx2, kAvx512 };
+
+// The processor's best capability, capped by ATEN_CPU_CAPABILITY as ATen caps its own kernels.
+Cap detect() {
+  Cap best = Cap::kDefault;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Cap::kAvx2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    best = Cap::kAvx512;
+#endif
+  if (const char* env = std::getenv("ATEN_CPU_CAPABILITY")) {
+    if (std::strcmp(env, "default") == 0) best = Cap::kDefault;
+    if (std::strcmp(env, "avx2") == 0 && best == Cap::kAvx512) best = Cap::kAvx2;
+  }
+  return best;
+}
+
+Cap capability() {
+  static const Cap cap = detect();
+  return cap;
+}
+}  // namespace
+
+void attend_blocks_cpu(const AttendArgs& args) {
+  switch (capability()) {
+    case Cap::kAvx512: return cpu_kernel::AVX512::attend_blocks(args);
+    case Cap::kAvx2: return cpu_kernel::AVX2::attend_blocks(args);
+    case Cap::kDefault: return cpu_kernel::DEFAULT::attend_blocks(args);
+  }
+}
+
+const char* cpu_kernel_capability() {
+  switch (capability()) {
+    case Cap::kAvx512: return "avx512";
+    case Cap::kAvx2: return "avx2";
+    case Cap::kDefault: return "default";
+  }
+  return "default";
+}
+
+}  // namespace activekv

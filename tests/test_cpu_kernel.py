@@ -1,0 +1,113 @@
+"""The fast CPU kernel (engine/src/cpu/attend_kernel.cpp) against the ATen tile path, under the contract of
+docs/parity.md: same admission, transfers and telemetry; outputs within the per-dtype tolerance below; bit-identical
+run to run, across thread counts; every CPU capability within the same tolerance."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import activekv._backend as backend
+from tests.parity_cells import NUM_LAYERS, Cell, compressed_cells, exact_cells, host_blocks_for, make_steps
+
+# Native kernel vs ATen tile path, compared on the output tensor (in the model dtype). Both accumulate in float32;
+# they differ in summation order (vectorised dot products, per-block rescaling) and in exp (Sleef vs ATen's), a few
+# float32 ulps before the output is rounded. float32 outputs: 2e-6 covers that with margin (seen: <= 6e-7).
+# bfloat16/float16 outputs: the float32 difference can flip the final rounding, one ulp of the output dtype:
+# bf16 ulp at |x| < 4 is <= 2^-6 = 0.0156; fp16 ulp at |x| < 4 is <= 2^-9 = 0.002 (outputs here are |x| < 4).
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def _cells() -> list[Cell]:
+    import random
+
+    rng = random.Random(1)
+    return rng.sample(exact_cells(), 12) + rng.sample(compressed_cells(), 12)
+
+
+CELLS = _cells()
+
+
+def run(cell: Cell, kernel: str) -> tuple[list[torch.Tensor], dict]:
+    nb = host_blocks_for(cell)
+    kwargs = dict(cell.engine_kwargs(), kernel=kernel)
+    eng = backend.Engine(*cell.engine_args(), **kwargs)
+    caches = [torch.zeros(nb, 2, cell.block_size, 2 * cell.head_size, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
+    outs = []
+    for st in make_steps(cell, nb):
+        plan = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
+        for layer in range(NUM_LAYERS):
+            eng.update_kv(layer, st.k[layer], st.v[layer], caches[layer], st.slot_mapping)
+            out = torch.full_like(st.q[layer], 7.0)
+            eng.forward(layer, plan, st.q[layer], caches[layer], out, cell.head_size ** -0.5)
+            outs.append(out)
+    snap = eng.snapshot()
+    return outs, {k: v for k, v in snap.items() if k not in ("histograms", "info")}
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
+def test_native_kernel_within_tolerance_of_aten_path(cell: Cell) -> None:
+    native, snap_n = run(cell, "native")
+    aten, snap_a = run(cell, "aten")
+    assert snap_n == snap_a  # same admission, transfers, tiles and selections counted
+    tol = TOLERANCE[cell.dtype]
+    for i, (a, b) in enumerate(zip(native, aten)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{cell.id} forward {i}: {m}")
+
+
+def test_native_kernel_is_bit_identical_run_to_run_and_across_thread_counts() -> None:
+    cell = Cell(torch.float32, 128, 4, 16, "unaligned", True, 3, True)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = run(cell, "native")
+        torch.set_num_threads(2)
+        two, _ = run(cell, "native")
+        again, _ = run(cell, "native")
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    assert all(torch.equal(a, b) for a, b in zip(two, again))
+
+
+CAPABILITY_SCRIPT = """
+import sys, torch
+import activekv._backend as backend
+from tests.test_cpu_kernel import run
+from tests.parity_cells import Cell
+cell = Cell(torch.float32, 80, 4, 16, "multiple", False, 3, True, mode="compressed")
+outs, _ = run(cell, "native")
+torch.save(outs, sys.argv[1])
+print(backend.cpu_kernel_capability())
+"""
+
+
+def test_every_cpu_capability_agrees_within_tolerance(tmp_path) -> None:
+    """ATEN_CPU_CAPABILITY caps the kernel's capability (as it caps ATen's): default, avx2, avx512 all agree."""
+    results = {}
+    for cap in ("default", "avx2", "avx512"):
+        out = tmp_path / f"{cap}.pt"
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
+        proc = subprocess.run([sys.executable, "-c", CAPABILITY_SCRIPT, str(out)], env=env, capture_output=True,
+                              text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert proc.returncode == 0, proc.stderr
+        results[proc.stdout.strip().splitlines()[-1]] = torch.load(out)
+    assert "default" in results
+    base = results["default"]
+    for cap, outs in results.items():
+        for a, b in zip(outs, base):
+            torch.testing.assert_close(a, b, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32],
+                                       msg=lambda m, cap=cap: f"{cap} vs default: {m}")
+
+
+def test_kernel_option_is_validated_and_reported() -> None:
+    args = (1, 4, 2, 64, 16, torch.float32, 4, 2)
+    assert backend.Engine(*args).kernel == "native"
+    assert backend.Engine(*args, kernel="aten").kernel == "aten"
+    with pytest.raises(ValueError, match="kernel must be 'native' or 'aten', got 'fast'"):
+        backend.Engine(*args, kernel="fast")
+    assert backend.cpu_kernel_capability() in ("avx512", "avx2", "default")
