@@ -110,6 +110,7 @@ class AddedLine:
     text: str  # stripped
     lineno: int  # 1-based, in the patched file
     new_file: bool  # the series creates the file
+    patch_line: int = 0  # 1-based line of the ``+`` line in the patch file (where a screen reports it)
 
     def label(self) -> str:
         return f"{self.patch} {self.file}:{self.lineno} ({self.text!r})"
@@ -204,7 +205,7 @@ def added_python_lines(series: Series) -> list[AddedLine]:
         new_file = False
         new_ln = 0
         remaining = 0
-        for raw in patch.read_text().splitlines():
+        for patch_line, raw in enumerate(patch.read_text().splitlines(), 1):
             if raw.startswith("diff --git "):
                 current, new_file, remaining = raw.split(" b/", 1)[1], False, 0
                 continue
@@ -223,7 +224,7 @@ def added_python_lines(series: Series) -> list[AddedLine]:
             if raw.startswith("+"):
                 text = raw[1:].strip()
                 if current.endswith(".py") and text and not text.startswith("#"):
-                    lines.append(AddedLine(patch.name, current, text, new_ln, new_file))
+                    lines.append(AddedLine(patch.name, current, text, new_ln, new_file, patch_line))
                 new_ln += 1
                 remaining -= 1
             elif raw.startswith(" ") or raw == "":

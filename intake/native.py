@@ -1,0 +1,358 @@
+"""The C/C++ rules: parse the program (cached, in parallel), merge the facts, and judge them.
+
+Rules: ``python-import-from-cpp``, ``per-step-python-callback``, ``python-in-engine``, ``parse-error``.
+
+The program is every translation unit the caller names (compile_commands.json's entries under the root plus the
+native sources in scope); a project header is analysed inside the units that include it, and on its own (with the
+flags of a file of its target) only when no unit includes it. Functions are linked across units by USR, so the
+per-step path is followed from a binding in bindings/ into the engine's .cpp files, and through virtual calls into
+every override (a ``PYBIND11_OVERRIDE*`` trampoline included).
+
+Per-step entry points are the bindings, in any module, whose Python name is one of ``PER_STEP_METHODS``: the
+methods of vLLM's attention-backend contract that vLLM calls on every step (the model runner builds the attention
+metadata each step: ``build``, ``build_for_drafting`` for speculative decoding, ``update_block_table`` for groups
+that share a layout; the attention layer calls ``forward`` and ``do_kv_cache_update`` per layer per step).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from intake.cache import Cache
+from intake.cxx import forbidden_header, parse
+from intake.findings import Finding
+from intake.flags import CompileDatabase, Flags
+
+PER_STEP_METHODS = ("build", "build_for_drafting", "update_block_table", "forward", "do_kv_cache_update")
+_STEP_BIND_METHODS = ("def", "def_static")
+_STD_FUNCTION_RE = re.compile(r"\bstd::(\w+::)?function<")
+
+
+@dataclass
+class Program:
+    units: list[dict[str, Any]] = field(default_factory=list)
+    parsed: int = 0  # units parsed in this run (the rest came from the cache)
+
+
+def _parse_job(job: tuple[str, list[str], str, str]) -> dict[str, Any]:
+    return parse(*job)
+
+
+def _run_jobs(jobs: list[tuple[str, list[str], str, str]], workers: int) -> list[dict[str, Any]]:
+    if not jobs:
+        return []
+    if workers <= 1 or len(jobs) == 1:
+        return [_parse_job(j) for j in jobs]
+    # Longest first: a torch-heavy unit started last would leave the other workers idle.
+    order = sorted(range(len(jobs)), key=lambda i: -os.path.getsize(jobs[i][0]) if os.path.exists(jobs[i][0]) else 0)
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("fork")) as pool:
+        results = list(pool.map(_parse_job, [jobs[i] for i in order]))
+    out: list[dict[str, Any]] = [{}] * len(jobs)
+    for i, r in zip(order, results):
+        out[i] = r
+    return out
+
+
+def load_program(
+    root: Path, sources: list[Path], headers: list[Path], db: CompileDatabase, cache: Cache, workers: int
+) -> Program:
+    """Facts of every unit in ``sources``, then of each header in ``headers`` that no unit includes."""
+    program = Program()
+
+    def wave(files: list[Path]) -> None:
+        jobs, keys = [], []
+        for f in files:
+            flags: Flags = db.flags_for(f)
+            key = cache.key(str(f), flags)
+            facts = cache.get(key)
+            if facts is not None:
+                program.units.append(facts)
+            else:
+                jobs.append((str(f), list(flags.args), str(root), flags.source))
+                keys.append(key)
+        for key, facts in zip(keys, _run_jobs(jobs, workers)):
+            cache.put(key, facts)
+            program.units.append(facts)
+        program.parsed += len(jobs)
+
+    wave(sorted(set(sources)))
+    covered = {d for u in program.units for d in u.get("deps", [])}
+    wave(sorted({h for h in headers if os.path.normpath(str(h)) not in covered}))
+    return program
+
+
+# ------------------------------------------------------------------------------------------------------- judging
+
+
+def _rel(root: Path, path: str) -> str:
+    try:
+        return Path(path).relative_to(root).as_posix()
+    except ValueError:
+        return path
+
+
+def judge(root: Path, program: Program) -> tuple[list[Finding], set[str]]:
+    """Every C/C++ finding of the program, and the set of files analysed (relative paths)."""
+    findings: list[Finding] = []
+    analysed: set[str] = set()
+    files: dict[str, dict[str, Any]] = {}
+    functions: dict[str, dict[str, Any]] = {}
+    overriders: dict[str, set[str]] = {}
+    state: dict[str, dict[str, Any]] = {}
+    names: dict[str, str] = {}
+    bindings: list[tuple[str, dict[str, Any], bool]] = []
+    seen_bindings: set[tuple[str, int, int, str]] = set()
+
+    for unit in program.units:
+        main_rel = _rel(root, unit["main"])
+        analysed.add(main_rel)
+        findings += _parse_errors(main_rel, unit)
+        for rel, facts in unit["files"].items():
+            analysed.add(rel)
+            merged = files.setdefault(rel, {"includes": {}, "imports": {}})
+            for inc in facts["includes"]:
+                merged["includes"].setdefault((inc["line"], inc["spelled"]), inc)
+            for imp in facts["imports"]:
+                k = (imp["line"], imp["target"])
+                if k not in merged["imports"] or imp["col"] < merged["imports"][k]["col"]:
+                    merged["imports"][k] = imp
+            for b in facts["bindings"]:
+                k = (rel, b["line"], b["col"], b["name"])
+                if k not in seen_bindings:
+                    seen_bindings.add(k)
+                    bindings.append((rel, b, bool(unit.get("functional"))))
+        for ident, node in unit["functions"].items():
+            have = functions.get(ident)
+            if have is None:
+                functions[ident] = {k: (list(v) if isinstance(v, list) else v) for k, v in node.items()}
+            else:  # the same inline function seen from two units: union what each saw
+                for key in ("calls", "sinks", "reads", "writes"):
+                    have[key] += [x for x in node[key] if x not in have[key]]
+        for base, derived in unit["overrides"]:
+            overriders.setdefault(base, set()).add(derived)
+        state.update(unit["state"])
+        names.update(unit.get("names", {}))
+
+    for rel, merged in sorted(files.items()):
+        if rel.startswith("engine/"):
+            findings += _engine_includes(rel, merged["includes"].values())
+        for imp in sorted(merged["imports"].values(), key=lambda i: (i["line"], i["col"])):
+            findings.append(
+                Finding(
+                    "python-import-from-cpp",
+                    rel,
+                    imp["line"],
+                    imp["col"],
+                    f"`{imp['call']}` {_how(imp)}: C++ that imports or runs Python; the C++ side never imports a "
+                    "module: take the object as a binding argument (the Python caller imports it), or list a "
+                    "reviewed site in intake/baseline.toml",
+                    call=imp["call"],
+                )
+            )
+    for usr, name in names.items():  # declared-only functions (pure virtuals): a name for the messages
+        functions.setdefault(
+            usr, {"name": name, "path": "", "line": 0, "calls": [], "sinks": [], "reads": [], "writes": []}
+        )
+    findings += _per_step(functions, overriders, state, bindings)
+    return findings, analysed
+
+
+def _how(site: dict[str, Any]) -> str:
+    """How a site reaches Python, e.g. "calls PyImport_ImportModule (through macro LOAD)"."""
+    how = site["how"]
+    macro = site.get("macro")
+    if macro:
+        how += f" (through the macro {re.split(r'[^A-Za-z0-9_]', macro, maxsplit=1)[0]})"
+    return how
+
+
+def _parse_errors(main_rel: str, unit: dict[str, Any]) -> list[Finding]:
+    errors = unit["errors"]
+    if not errors:
+        return []
+    # An engine file that includes a Python header it cannot even find is python-in-engine, not a flags problem.
+    if main_rel.startswith("engine/") and all(e.get("missing") and forbidden_header(e["missing"]) for e in errors):
+        return []
+    first = errors[0]
+    where = ""
+    line, col = 1, 1
+    if first.get("path") == main_rel:
+        line, col = first["line"], first["col"]
+    elif first.get("path"):
+        where = f" in {first['path']}:{first['line']}"
+    more = f" (and {len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+    return [
+        Finding(
+            "parse-error",
+            main_rel,
+            line,
+            col,
+            f"libclang cannot parse this file with the {unit['flags_source']}: {first['message']}{where}{more}; "
+            "an unparsed file is never passed: fix the error or the flags (`make build` refreshes "
+            "compile_commands.json)",
+        )
+    ]
+
+
+def _engine_includes(rel: str, includes: Any) -> list[Finding]:
+    out = []
+    for inc in sorted(includes, key=lambda i: i["line"]):
+        if inc["forbidden"]:
+            out.append(
+                Finding(
+                    "python-in-engine",
+                    rel,
+                    inc["line"],
+                    inc["col"],
+                    f"`{inc['forbidden']}` in engine/: the engine is C++ on ATen only, no Python headers; move the "
+                    "Python-facing code into bindings/ and include the engine header from there",
+                    call=inc["spelled"],
+                )
+            )
+    return out
+
+
+def _reach(
+    starts: list[str], functions: dict[str, dict[str, Any]], overriders: dict[str, set[str]]
+) -> dict[str, str | None]:
+    """Breadth-first reachability over calls and virtual overrides: {node: the node it was reached from}."""
+    parent: dict[str, str | None] = {}
+    queue: deque[str] = deque()
+    for s in starts:
+        if s not in parent:
+            parent[s] = None
+            queue.append(s)
+    while queue:
+        cur = queue.popleft()
+        node = functions.get(cur)
+        callees = list(node["calls"]) if node else []
+        callees += sorted(overriders.get(cur, ()))
+        for nxt in callees:
+            if nxt not in parent:
+                parent[nxt] = cur
+                queue.append(nxt)
+    return parent
+
+
+def _chain(node: str, parent: dict[str, str | None], functions: dict[str, dict[str, Any]]) -> list[str]:
+    out = []
+    cur: str | None = node
+    while cur is not None:
+        out.append(cur)
+        cur = parent.get(cur)
+    return list(reversed(out))
+
+
+def _label(ident: str, functions: dict[str, dict[str, Any]]) -> str:
+    node = functions.get(ident)
+    return node["name"] if node else ident
+
+
+_PY_OBJECT_RE = re.compile(r"\bpybind11::(function|object|handle)\b|\b_object \*|PyObject \*")
+
+
+def _python_callable_param(params: list[str], functional: bool) -> str | None:
+    """The first parameter type that carries a Python callable into native code, else None.
+
+    A ``std::function`` parameter does only where pybind11/functional.h's caster is in the unit (it wraps the
+    Python callable); without it pybind11 cannot convert a Python object to one.
+    """
+    for p in params:
+        if _PY_OBJECT_RE.search(p) or (functional and _STD_FUNCTION_RE.search(p)):
+            return p
+    return None
+
+
+def _per_step(
+    functions: dict[str, dict[str, Any]],
+    overriders: dict[str, set[str]],
+    state: dict[str, dict[str, Any]],
+    bindings: list[tuple[str, dict[str, Any], bool]],
+) -> list[Finding]:
+    findings: list[Finding] = []
+    entries = [
+        (rel, b) for rel, b, _ in bindings if b["name"] in PER_STEP_METHODS and b["method"] in _STEP_BIND_METHODS
+    ]
+    # Reach from each entry separately so every message names the entry it starts from.
+    reached: dict[str, tuple[str, dict[str, str | None], str, dict[str, Any]]] = {}
+    for rel, b in entries:
+        parent = _reach(b["callables"], functions, overriders)
+        for ident in parent:
+            reached.setdefault(ident, (ident, parent, rel, b))
+
+    seen: set[tuple[str, int, str]] = set()
+    for ident, (_, parent, rel, b) in sorted(reached.items()):
+        node = functions.get(ident)
+        if node is None:
+            continue
+        for sink in sorted(node["sinks"], key=lambda s: (s["path"], s["line"], s["col"])):
+            key = (sink["path"], sink["line"], sink["call"])
+            if key in seen:
+                continue
+            seen.add(key)
+            chain = _chain(ident, parent, functions)
+            path = " -> ".join(_label(c, functions) for c in chain)
+            related = tuple(sorted({rel} | {functions[c]["path"] for c in chain if c in functions}))
+            findings.append(
+                Finding(
+                    "per-step-python-callback",
+                    sink["path"],
+                    sink["line"],
+                    sink["col"],
+                    f"`{sink['call']}` {_how(sink)}: a Python call on the per-step path: binding '{b['name']}' "
+                    f"({rel}:{b['line']}) -> {path}; keep the step native: read what you need from Python before "
+                    "the step, or move the logic into C++",
+                    call=sink["call"],
+                    related=related,
+                )
+            )
+
+    # State a per-step function reads, and where.
+    readers: dict[str, tuple[str, str, dict[str, Any]]] = {}
+    for ident, (_, _parent, rel, b) in sorted(reached.items()):
+        node = functions.get(ident)
+        for usr in node["reads"] if node else []:
+            readers.setdefault(usr, (ident, rel, b))
+    if not readers:
+        return findings
+    for rel, b, functional in bindings:
+        stored: list[tuple[str, str]] = [(usr, "def_readwrite") for usr in b["field_writes"] if usr in readers]
+        param = _python_callable_param(b["params"], functional)
+        if param:
+            closure = _reach(b["callables"], functions, overriders)
+            for ident in sorted(closure):
+                node = functions.get(ident)
+                for usr in node["writes"] if node else []:
+                    if usr in readers:
+                        stored.append((usr, _label(ident, functions)))
+        done: set[str] = set()
+        for usr, writer in stored:
+            if usr in done:
+                continue
+            done.add(usr)
+            info = state.get(usr, {"name": usr, "path": "?", "line": 0})
+            reader, entry_rel, entry = readers[usr]
+            rnode = functions.get(reader, {"name": reader, "path": "?", "line": 0})
+            how = f"takes `{param}` and " if param else ""
+            findings.append(
+                Finding(
+                    "per-step-python-callback",
+                    rel,
+                    b["line"],
+                    b["col"],
+                    f"binding '{b['name']}' {how}stores a Python callable into `{info['name']}` "
+                    f"({info['path']}:{info['line']}, written by {writer}), which the per-step path reads "
+                    f"({rnode['name']} at {rnode['path']}:{rnode['line']}, reached from binding '{entry['name']}' at "
+                    f"{entry_rel}:{entry['line']}); pass plain values and tensors instead and keep the logic in C++",
+                    call=f"{b['name']} -> {info['name']}",
+                    related=tuple(sorted({rel, str(info["path"]), str(rnode["path"]), entry_rel})),
+                )
+            )
+    return findings

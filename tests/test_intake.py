@@ -1,0 +1,211 @@
+"""The intake screen's C++ rules on the corpus (tests/intake_corpus), through the public CLI: ``python -m intake scan``.
+
+The corpus is copied to a temporary root with a ``compile_commands.json`` written for it (see its README.md): engine
+files get the engine target's kind of flags (no Python or pybind11 on the include path), binding files the Python
+and pybind11 headers and ``-DLOAD_FROM_FLAGS(name)=...``. One scan covers the whole corpus; each file is then
+checked against its ``// expect: RULE`` markers: exactly those rules, at exactly those lines, nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS = REPO / "tests" / "intake_corpus"
+MARKER = re.compile(r"//\s*expect:\s*([a-z\-]+(?:\s*,\s*[a-z\-]+)*)\s*$")
+CASES = sorted(
+    p.relative_to(CORPUS).as_posix() for p in CORPUS.rglob("*") if p.suffix in (".cpp", ".h") and p.is_file()
+)
+
+
+def intake(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "intake", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def torch_include() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.submodule_search_locations
+    return str(Path(next(iter(spec.submodule_search_locations))) / "include")
+
+
+def write_compile_commands(root: Path) -> None:
+    torch = torch_include()
+    entries = []
+    for src in sorted(root.rglob("*.cpp")):
+        rel = src.relative_to(root).as_posix()
+        args = ["c++", "-std=c++17", f"-I{root / 'engine' / 'include'}"]
+        if rel.startswith("bindings/"):
+            args += [
+                f"-I{root / 'bindings' / 'include'}",
+                "-isystem",
+                sysconfig.get_paths()["include"],
+                "-isystem",
+                torch,
+                "-isystem",
+                f"{torch}/torch/csrc/api/include",
+                "-DLOAD_FROM_FLAGS(name)=pybind11::module_::import(name)",
+            ]
+        args += ["-o", f"{rel}.o", "-c", rel]  # relative file: resolved against "directory"
+        entries.append({"directory": str(root), "arguments": args, "file": rel})
+    (root / "compile_commands.json").write_text(json.dumps(entries, indent=1))
+
+
+def expected(rel: str) -> set[tuple[str, int]]:
+    out = set()
+    for n, line in enumerate((CORPUS / rel).read_text().splitlines(), 1):
+        m = MARKER.search(line)
+        if m:
+            out |= {(rule.strip(), n) for rule in m.group(1).split(",")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("intake") / "corpus"
+    shutil.copytree(CORPUS, root)
+    write_compile_commands(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("intake-cache")
+
+
+@pytest.fixture(scope="module")
+def scan(corpus: Path, cache: Path) -> dict:
+    done = intake("scan", "engine", "bindings", "--format", "json", "--cache", str(cache), cwd=corpus)
+    assert done.returncode == 1, done.stderr
+    return json.loads(done.stdout)
+
+
+# ------------------------------------------------------------------------------------------------ every corpus case
+
+
+@pytest.mark.parametrize("rel", CASES)
+def test_corpus_case(scan: dict, rel: str) -> None:
+    got = {(f["rule"], f["line"]) for f in scan["findings"] if f["path"] == rel}
+    assert got == expected(rel), [f for f in scan["findings"] if f["path"] == rel]
+
+
+def test_corpus_has_every_rule_and_accepted_files() -> None:
+    rules = {rule for rel in CASES for rule, _ in expected(rel)}
+    assert rules == {"python-in-engine", "python-import-from-cpp", "per-step-python-callback", "parse-error"}
+    accepted = [rel for rel in CASES if not expected(rel)]
+    assert {"bindings/modules/gil_release.cpp", "engine/src/clean.cpp", "engine/src/transitive.cpp"} <= set(accepted)
+
+
+def test_json_report_shape(scan: dict) -> None:
+    assert set(scan) == {"findings", "summary"}
+    for f in scan["findings"]:
+        assert set(f) == {"rule", "path", "line", "column", "message"}
+        assert not Path(f["path"]).is_absolute()
+        assert f["line"] >= 1 and f["column"] >= 1
+    summary = scan["summary"]
+    assert summary["command"] == "scan"
+    assert summary["findings"] == len(scan["findings"]) == sum(summary["by_rule"].values())
+    assert summary["files_screened"] == len(CASES)
+
+
+def line_of(rel: str, snippet: str) -> int:
+    return next(n for n, line in enumerate((CORPUS / rel).read_text().splitlines(), 1) if snippet in line)
+
+
+def test_messages_name_the_call_and_the_way_out(scan: dict) -> None:
+    def message(rel: str, snippet: str) -> str:
+        line = line_of(rel, snippet)
+        return next(f["message"] for f in scan["findings"] if (f["path"], f["line"]) == (rel, line))
+
+    pointer = message("bindings/modules/imports_c_api.cpp", "api.import_module(")
+    assert pointer.startswith(
+        '`api.import_module("vllm.entrypoints.cli.main")` calls PyImport_ImportModule through the pointer '
+        "`corpus_c_api::Api::import_module`"
+    )
+    assert "binding argument" in pointer
+    macro = message("bindings/modules/imports_pybind11.cpp", 'LOAD("math")')
+    assert macro.startswith('`LOAD("math")` calls pybind11::module_::import (through the macro LOAD)')
+    step = message("bindings/modules/per_step_calls.cpp", "return fn(1)")
+    assert "binding 'forward'" in step and "corpus_step::indirect -> corpus_step::calls_python" in step
+    trampoline = message("bindings/modules/per_step_trampoline.cpp", "PYBIND11_OVERRIDE_PURE")
+    assert trampoline.startswith("`PYBIND11_OVERRIDE_PURE(int,Policy,score,block)`")
+    assert "corpus_trampoline::Policy::score -> corpus_trampoline::PyPolicy::score" in trampoline
+    store = message("bindings/modules/per_step_store.cpp", '"set_hook"')
+    assert "binding 'set_hook' takes `std::function<void (int)>`" in store and "corpus_store::Engine::hook_" in store
+    broken = message("bindings/modules/broken.cpp", "broken(")
+    assert "compile_commands.json entry of bindings/modules/broken.cpp" in broken
+
+
+def test_text_and_exit_status(corpus: Path, cache: Path) -> None:
+    done = intake("scan", "engine/src/includes_python.cpp", "--cache", str(cache), cwd=corpus)
+    assert done.returncode == 1
+    assert done.stdout.splitlines()[0].startswith("engine/src/includes_python.cpp:2:1: python-in-engine: `Python.h`")
+    assert done.stdout.splitlines()[-1] == "intake: 1 finding(s) (python-in-engine 1); 1 file(s) screened, 0 baselined"
+    clean = intake("scan", "engine/src/clean.cpp", "--cache", str(cache), cwd=corpus)
+    assert (clean.returncode, clean.stdout) == (0, "intake: clean; 1 file(s) screened, 0 baselined\n")
+
+
+def test_sarif(corpus: Path, cache: Path) -> None:
+    rel = "bindings/modules/imports_pybind11.cpp"
+    done = intake("scan", rel, "--format", "sarif", "--cache", str(cache), cwd=corpus)
+    assert done.returncode == 1
+    doc = json.loads(done.stdout)
+    assert doc["version"] == "2.1.0"
+    run = doc["runs"][0]
+    rules = [r["id"] for r in run["tool"]["driver"]["rules"]]
+    assert "python-import-from-cpp" in rules and len(rules) == len(set(rules))
+    assert run["originalUriBaseIds"]["SRCROOT"]["uri"] == corpus.as_uri() + "/"
+    results = run["results"]
+    assert len(results) == len(expected(rel))
+    for r in results:
+        assert rules[r["ruleIndex"]] == r["ruleId"] == "python-import-from-cpp"
+        loc = r["locations"][0]["physicalLocation"]
+        assert loc["artifactLocation"] == {"uri": rel, "uriBaseId": "SRCROOT"}
+        assert loc["region"]["startLine"] >= 1
+    prints = [r["partialFingerprints"]["activekvIntake/v1"] for r in results]
+    assert len(set(prints)) == len(prints)
+
+
+def test_warm_scan_comes_from_the_cache(corpus: Path, cache: Path, scan: dict) -> None:
+    done = intake("scan", "engine", "bindings", "--format", "json", "--cache", str(cache), cwd=corpus)
+    warm = json.loads(done.stdout)
+    assert warm["summary"]["parsed"] == 0 and warm["summary"]["from_cache"] > 0
+    assert warm["findings"] == scan["findings"]
+
+
+def test_scan_refuses_what_it_cannot_run(corpus: Path) -> None:
+    missing = intake("scan", "no/such/dir", cwd=corpus)
+    assert missing.returncode == 2 and "no/such/dir: no such file or folder" in missing.stderr
+    bad_db = corpus.parent / "bad_compile_commands.json"
+    bad_db.write_text("{not json")
+    done = intake("scan", "engine/src/clean.cpp", "--compile-commands", str(bad_db), cwd=corpus)
+    assert done.returncode == 2 and "cannot read" in done.stderr
+    usage = intake("scan", "--format", "xml", "engine", cwd=corpus)
+    assert usage.returncode == 2
+
+
+def test_bench_prints_cold_and_warm_times(tmp_path: Path) -> None:
+    (tmp_path / "bindings").mkdir()
+    (tmp_path / "bindings" / "tiny.cpp").write_text("#include <Python.h>\n\nint tiny() { return 1; }\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "intake.bench", "bindings", "--root", str(tmp_path), "--warm-runs", "1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert re.match(r"cold: +\d+\.\d\d s  \(1 units parsed, 1 files screened, 0 findings\)$", lines[1])
+    assert re.match(r"warm: +\d+\.\d\d s  \(0 parsed, 1 from the cache\)  run 1$", lines[2])
