@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import activekv._admission as admission
-import activekv._backend as backend
 from tests.reference.engine import select_blocks as ref_select_blocks
+from tools.quality import planted_needle_recall
 
 KVH, D = 2, 16
 
@@ -77,42 +77,17 @@ def test_bad_selection_inputs_are_rejected(kwargs: dict, exc: type, match: str) 
         admission.select_blocks(**args)
 
 
-def planted_needle_recall(block_size: int, context_blocks: int, budget_blocks: int, trials: int) -> float:
-    """Through the engine: noise keys everywhere, one block whose keys align with the decode query (the needle);
-    returns the fraction of (trial, KV head) where the needle block was among the attended blocks.
-
-    Quest's bound is an upper bound: a block of noisy keys scores sum_d |q_d| * spread_d, so the needle must stand out
-    against the noise's per-dimension spread (noise 0.1, needle 4.0 along the query here). With noise 0.3 and needle
-    2.0 the bound of noise blocks exceeded the needle's and recall was 0 (measured while writing this test)."""
-    sink, recent = 1, 1
-    g = torch.Generator().manual_seed(context_blocks * 131 + block_size)
-    hits = total = 0
-    for _ in range(trials):
-        eng = backend.Engine(1, KVH * 4, KVH, D, block_size, torch.float32, KVH * budget_blocks + 2, 2,
-                             mode="compressed", budget_tokens=budget_blocks * block_size, sink_blocks=sink,
-                             recent_blocks=recent)
-        seq = context_blocks * block_size
-        cache = torch.zeros(context_blocks, KVH, block_size, 2 * D)
-        q = torch.randn(1, KVH * 4, D, generator=g)
-        keys = 0.1 * torch.randn(seq, KVH, D, generator=g)
-        needle = int(torch.randint(sink, context_blocks - recent, (1,), generator=g))
-        # keys of the needle block point along each head's (summed) query direction
-        direction = q.view(KVH, 4, D).sum(1)
-        keys[needle * block_size:(needle + 1) * block_size] = 4.0 * direction / direction.norm(dim=-1, keepdim=True)
-        table = torch.randperm(context_blocks, generator=g).to(torch.int32)
-        slots = (table.long().repeat_interleave(block_size) * block_size + torch.arange(seq) % block_size)
-        eng.update_kv(0, keys, torch.randn(seq, KVH, D, generator=g), cache, slots)
-        plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
-                         table[None], 1)
-        eng.forward(0, plan, q, cache, torch.empty(1, KVH * 4, D), D ** -0.5)
-        chosen = eng.selection(0)[0]
-        for h in range(KVH):
-            hits += int(int(table[needle]) in chosen[h].tolist())
-            total += 1
-    return hits / total
-
-
 @pytest.mark.parametrize(("block_size", "context_blocks", "budget_blocks"),
                          [(16, 32, 4), (16, 64, 8), (32, 48, 6), (16, 128, 4)])
 def test_planted_needle_is_always_selected(block_size: int, context_blocks: int, budget_blocks: int) -> None:
     assert planted_needle_recall(block_size, context_blocks, budget_blocks, trials=8) == 1.0
+
+
+def test_planted_needle_at_every_position() -> None:
+    # tools.quality's grid (docs/quality.md (a)) at one size: each candidate block position holds the needle once.
+    assert planted_needle_recall(16, 24, 4, 0, positions=range(1, 23)) == 1.0
+
+
+def test_weak_needle_is_missed() -> None:
+    # Quest's bound is an upper bound: below the noise blocks' bound the needle loses (docs/quality.md (a)).
+    assert planted_needle_recall(16, 64, 4, 8, noise=0.1, needle=0.25) < 0.5

@@ -66,6 +66,8 @@ class EngineConfig:
     block_size: vLLM's KV block size in tokens; None keeps the platform default (128 on CPU).
     kv_cache_gib: vLLM's KV cache in GiB, through `VLLM_CPU_KVCACHE_SPACE` (the CPU worker reads it at start-up).
     enable_prefix_caching: off by default, so a repeated prompt recomputes and every run exercises the KV update path.
+    max_num_batched_tokens: vLLM's per-step token limit; None keeps vLLM's default (4096 on CPU). Raise it to prefill
+        a batch of long prompts in one step (`generate` refuses prompts that would be chunked).
     """
 
     model: str
@@ -77,6 +79,7 @@ class EngineConfig:
     kv_cache_gib: int = 1
     enable_prefix_caching: bool = False
     seed: int = 0
+    max_num_batched_tokens: int | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `vllm.LLM` (besides the model path)."""
@@ -93,6 +96,8 @@ class EngineConfig:
         }
         if self.block_size is not None:
             kwargs["block_size"] = self.block_size
+        if self.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
         if self.activekv is not None:
             kwargs["additional_config"] = {"activekv": dict(self.activekv)}
         return kwargs
@@ -136,11 +141,12 @@ def activekv_status() -> tuple[bool, str]:
 
 
 def read_telemetry() -> tuple[dict[str, int], frozenset[str]] | None:
-    """`activekv._telemetry.snapshot()` flattened to ({name: int}, gauge names); None when not importable.
+    """The newest live ActiveKV engine's snapshot, flattened to ({name: int}, gauge names); None when not importable.
 
-    The native snapshot sums every live engine: its top-level ints are event counters (build_calls, forward_calls,
-    blocks_admitted, ...) plus `engines`; its `info` dict holds per-engine sizes (num_layers, pool_blocks, ...), also
-    summed over engines; both are merged here, `engines` and the info entries named as gauges. Histograms are left out.
+    The newest engine is the one the newest `LLM` created; an older LLM's engine may still be alive until it is
+    collected, and must not be counted as this run's (a process-wide sum would). Top-level ints are event counters
+    (build_calls, forward_calls, blocks_admitted, ...); the `info` dict holds sizes (num_layers, pool_blocks, ...),
+    merged here as gauges, and `engines` (live engines in the process) is a gauge too. Histograms are left out.
     """
     import torch  # noqa: F401  (the native modules use torch's types: torch must be loaded first)
 
@@ -148,9 +154,14 @@ def read_telemetry() -> tuple[dict[str, int], frozenset[str]] | None:
         import activekv._telemetry as telemetry
     except ImportError:
         return None
-    flat: dict[str, int] = {}
+    snaps = telemetry.engine_snapshots()
+    flat: dict[str, int] = {"engines": len(snaps)}
     gauges = set(TELEMETRY_GAUGES)
-    for key, value in telemetry.snapshot().items():
+    if not snaps:
+        return flat, frozenset(gauges)
+    for key, value in snaps[-1].items():
+        if key == "engine_id":
+            continue
         if isinstance(value, int):
             flat[str(key)] = int(value)
         elif key == "info" and isinstance(value, dict):
