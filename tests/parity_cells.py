@@ -1,17 +1,27 @@
-"""Parity scenarios shared by tests/test_parity.py and the parity report tool (tools/parity.py).
+"""Parity scenarios and the one cell runner shared by tests/test_parity.py and the parity report tool (tools/parity.py).
 
 A cell is one configuration: mode x dtype x head size x GQA ratio x block size x context x pool x batch x padding.
 Each cell replays the same vLLM-like step sequence on the native engine and on the Python reference, feeding both the
 same tensors: a prefill chunk, the rest of the prompt, decode steps; then a new request takes over the first row's
 freed blocks (prefill from offset 0, so stale pool copies and key metadata must be overwritten) and decodes.
+`run_cell` compares them bit for bit and raises `Mismatch` naming the first item that differs.
+
+Run cells with one intra-op thread (`torch.set_num_threads(1)`): with several, the BLAS under torch's matmul may split
+a product differently from one call to the next (seen here: 1 run in 20 under load), which is not the engine's doing.
+One thread makes every matmul's summation order fixed, so `torch.equal` tests the engine alone.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+import activekv._backend as backend
+from tests.reference.engine import COUNTERS, RefEngine
 
 NUM_LAYERS = 2
 NUM_KV_HEADS = 2
@@ -153,3 +163,90 @@ def make_steps(cell: Cell, num_host_blocks: int, seed: int = 0) -> list[Step]:
 def host_blocks_for(cell: Cell) -> int:
     bs = cell.block_size
     return 2 * sum((p + cell.decode_steps + bs - 1) // bs for p in cell.prompt_lens()) + 4
+
+
+class Mismatch(AssertionError):
+    """The engine and the reference disagree. The message names the cell, where (step, layer) and the first item that
+    differs; `snapshot` holds the engine's telemetry counters when the difference was found."""
+
+    def __init__(self, message: str, snapshot: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.snapshot = snapshot
+
+
+def first_difference(engine: torch.Tensor, reference: torch.Tensor) -> str:
+    """Where two tensors that are not torch.equal first differ (row-major), or how their shapes/dtypes differ."""
+    if engine.shape != reference.shape or engine.dtype != reference.dtype:
+        return (f"engine {tuple(engine.shape)} {engine.dtype} vs reference {tuple(reference.shape)} "
+                f"{reference.dtype}")
+    unequal = engine != reference  # NaN != NaN, as torch.equal counts it
+    where = tuple(unequal.nonzero()[0].tolist())
+    return (f"first at {list(where)}: engine {engine[where].item()!r} vs reference {reference[where].item()!r} "
+            f"({int(unequal.sum())} of {unequal.numel()} elements differ)")
+
+
+def first_key_difference(engine: Mapping[Any, Any], reference: Mapping[Any, Any]) -> str:
+    """The first key (sorted) whose value differs between two mappings, or that only one of them has."""
+    for key in sorted(set(engine) | set(reference)):
+        if key not in engine or key not in reference:
+            return f"key {key!r} only in {'engine' if key in engine else 'reference'}"
+        a, b = engine[key], reference[key]
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if not torch.equal(a, b):
+                return f"key {key!r}: {first_difference(a, b)}"
+        elif a != b:
+            return f"key {key!r}: engine {a!r} vs reference {b!r}"
+    return "no difference found"
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """Replay the cell on the native engine (its ATen path) and on the reference; compare outputs and selections at
+    every step and layer, then telemetry counters, both KV tiers, key metadata and page tables; all bit for bit
+    (torch.equal / ==). Returns the native telemetry snapshot; raises `Mismatch` at the first item that differs."""
+    nb = host_blocks_for(cell)
+    eng = backend.Engine(*cell.engine_args(), **cell.engine_kwargs())
+    ref = RefEngine(*cell.engine_args(), **cell.engine_kwargs())
+
+    def fail(where: str, what: str) -> Mismatch:
+        return Mismatch(f"{cell.id}: {where}: {what}", eng.snapshot())
+
+    shape = (nb, 2, cell.block_size, 2 * cell.head_size)  # vLLM's LBHNC per-layer view, 2 KV heads
+    caches_n = [torch.zeros(shape, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
+    caches_r = [torch.zeros(shape, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
+    scale = cell.head_size ** -0.5
+    for si, st in enumerate(make_steps(cell, nb)):
+        plan_n = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
+        plan_r = ref.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
+        for layer in range(NUM_LAYERS):
+            eng.update_kv(layer, st.k[layer], st.v[layer], caches_n[layer], st.slot_mapping)
+            ref.update_kv(layer, st.k[layer], st.v[layer], caches_r[layer], st.slot_mapping)
+            out_n = torch.full_like(st.q[layer], 7.0)
+            out_r = torch.full_like(st.q[layer], 7.0)
+            eng.forward(layer, plan_n, st.q[layer], caches_n[layer], out_n, scale)
+            ref.forward(layer, plan_r, st.q[layer], caches_r[layer], out_r, scale)
+            where = f"step {si}, layer {layer}"
+            if not torch.equal(out_n, out_r):
+                raise fail(where, f"output differs, {first_difference(out_n, out_r)}")
+            sel_n, sel_r = eng.selection(layer), ref.selection[layer]
+            if sel_n.keys() != sel_r.keys():
+                raise fail(where, f"selecting rows differ: engine {sorted(sel_n)} vs reference {sorted(sel_r)}")
+            if not all(torch.equal(sel_n[r], sel_r[r]) for r in sel_r):
+                raise fail(where, f"selected blocks differ, row {first_key_difference(sel_n, sel_r)}")
+    snap = eng.snapshot()
+    counters = {k: snap[k] for k in COUNTERS}
+    if counters != ref.counters:
+        raise fail("end", f"telemetry differs, counter {first_key_difference(counters, ref.counters)}")
+    for layer in range(NUM_LAYERS):
+        where = f"end, layer {layer}"
+        tiers = (("host tier", caches_n[layer], caches_r[layer]),
+                 ("pool", eng.pool(layer), ref.layers[layer].pool),
+                 ("key_min", eng.key_min(layer), ref.layers[layer].key_min),
+                 ("key_max", eng.key_max(layer), ref.layers[layer].key_max))
+        for name, a, b in tiers:
+            if not torch.equal(a, b):
+                raise fail(where, f"{name} differs, {first_difference(a, b)}")
+        ref_resident = {b: s for b, s in enumerate(ref.layers[layer].slot_of_block) if s >= 0}
+        resident = eng.resident(layer)
+        if resident != ref_resident:
+            raise fail(where, f"page table differs, block {first_key_difference(resident, ref_resident)}")
+    return snap

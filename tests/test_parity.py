@@ -11,9 +11,7 @@ import random
 import pytest
 import torch
 
-import activekv._backend as backend
-from tests.parity_cells import NUM_LAYERS, Cell, compressed_cells, exact_cells, host_blocks_for, make_steps
-from tests.reference.engine import COUNTERS, RefEngine
+from tests.parity_cells import Cell, compressed_cells, exact_cells, run_cell
 
 EXACT_CELLS = exact_cells()
 COMPRESSED_SUBSET = random.Random(0).sample(compressed_cells(), 60)
@@ -21,49 +19,12 @@ COMPRESSED_SUBSET = random.Random(0).sample(compressed_cells(), 60)
 
 @pytest.fixture(autouse=True)
 def one_intra_op_thread():
-    """Parity is between two runs of the same torch ops; with several threads, the BLAS under torch's matmul may split
-    a product differently from one call to the next (seen here: 1 run in 20 under load), which is not the engine's
-    doing. One intra-op thread makes every matmul's summation order fixed, so torch.equal tests the engine alone."""
+    """One intra-op thread, so every matmul's summation order is fixed and torch.equal tests the engine alone (the
+    reason in full: tests/parity_cells.py)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def run_cell(cell: Cell) -> dict:
-    """Replay the cell on both engines; assert equality at every step. Returns the native snapshot."""
-    nb = host_blocks_for(cell)
-    eng = backend.Engine(*cell.engine_args(), **cell.engine_kwargs())
-    ref = RefEngine(*cell.engine_args(), **cell.engine_kwargs())
-    shape = (nb, 2, cell.block_size, 2 * cell.head_size)  # vLLM's LBHNC per-layer view, 2 KV heads
-    caches_n = [torch.zeros(shape, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
-    caches_r = [torch.zeros(shape, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
-    scale = cell.head_size ** -0.5
-    for si, st in enumerate(make_steps(cell, nb)):
-        plan_n = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
-        plan_r = ref.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
-        for layer in range(NUM_LAYERS):
-            eng.update_kv(layer, st.k[layer], st.v[layer], caches_n[layer], st.slot_mapping)
-            ref.update_kv(layer, st.k[layer], st.v[layer], caches_r[layer], st.slot_mapping)
-            out_n = torch.full_like(st.q[layer], 7.0)
-            out_r = torch.full_like(st.q[layer], 7.0)
-            eng.forward(layer, plan_n, st.q[layer], caches_n[layer], out_n, scale)
-            ref.forward(layer, plan_r, st.q[layer], caches_r[layer], out_r, scale)
-            where = f"{cell.id}: step {si}, layer {layer}"
-            assert torch.equal(out_n, out_r), f"{where}: output differs"
-            sel_n, sel_r = eng.selection(layer), ref.selection[layer]
-            assert sel_n.keys() == sel_r.keys(), f"{where}: selecting rows differ"
-            assert all(torch.equal(sel_n[r], sel_r[r]) for r in sel_r), f"{where}: selected blocks differ"
-    snap = eng.snapshot()
-    assert {k: snap[k] for k in COUNTERS} == ref.counters, f"{cell.id}: telemetry differs"
-    for layer in range(NUM_LAYERS):
-        assert torch.equal(caches_n[layer], caches_r[layer]), f"{cell.id}: host tier differs (layer {layer})"
-        assert torch.equal(eng.pool(layer), ref.layers[layer].pool), f"{cell.id}: pool differs (layer {layer})"
-        assert torch.equal(eng.key_min(layer), ref.layers[layer].key_min), f"{cell.id}: key_min differs"
-        assert torch.equal(eng.key_max(layer), ref.layers[layer].key_max), f"{cell.id}: key_max differs"
-        ref_resident = {b: s for b, s in enumerate(ref.layers[layer].slot_of_block) if s >= 0}
-        assert eng.resident(layer) == ref_resident, f"{cell.id}: page table differs (layer {layer})"
-    return snap
 
 
 def _values(cells: list[Cell], attr: str) -> set:
