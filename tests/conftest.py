@@ -17,3 +17,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "vllm: starts in-process vLLM engines on a local tiny model (deselect with -m 'not vllm')"
     )
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the `vllm` tests last. An in-process vLLM engine changes process-wide state that other suites rely on: its
+    CPU worker pins the intra-op thread pool (seen here: `torch.set_num_threads(1)` afterwards still reports 2
+    threads), which the parity suites need at one thread. Stable order otherwise."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
