@@ -6,19 +6,30 @@ block size 16, 2 threads, synthetic seeded tensors, block tables a seeded permut
 timed through the path vLLM drives, per column:
 
 - ActiveKV exact (`activekv._backend.Builder`/`Impl`, called as vLLM's patched backend calls them): `build` the step
-  plan, `do_kv_cache_update` the new token of every row (into the row's last slot, so the context length stays fixed and the last
-  block's pool copy is written through), `forward` (admission, host -> pool transfer, tiled attention). Pool columns:
-  the pool holds every block the step reads, or a quarter of them (exact mode then streams every block each step).
+  plan, `do_kv_cache_update` the new token of every row (into the row's last slot, so the context length stays fixed
+  and the last block's pool copy is written through), `forward` (admission, host -> pool transfer, tiled attention).
+  Pool columns: the pool holds every block the step reads, or a quarter of them (exact mode then streams every block
+  each step).
+- ActiveKV compressed: the same calls with `mode=compressed`, `budget_tokens` 2048, `sink_blocks` 1, `recent_blocks`
+  2 and the default pool (the worst-case union of one row's selections: 8 KV heads x 125 + 3 = 1003 blocks). Each
+  decode row attends, per KV head, to its 128 selected blocks; a context within the budget (2k) runs as exact mode.
+  At batch > 1 also with a pool of batch x that union ("pool=batch x union"): the default pool holds one row's union,
+  so rows whose unions do not fit together evict each other's blocks every step.
 - vLLM CPU_ATTN (`torch.ops._C`, as vllm/v1/attention/backends/cpu_attn.py calls it): `get_scheduler_metadata`
   (its builder's per-step work), `cpu_attn_reshape_and_cache` of the new tokens, `cpu_attention_with_kv_cache`.
   At block 16 (ISA vec16, the same geometry as ActiveKV) and at block 128, vLLM's CPU default: vLLM's CPU_ATTN
   declares kernel block sizes MultipleOf(32), so `LLM(block_size=16)` with CPU_ATTN is refused at start-up.
 - SDPA: `torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)` on contiguous K/V, attention only.
 
-Cells are median milliseconds per step. Every column's output is compared with SDPA's ("max diff": the largest
-absolute difference over the row's columns), so a fast but wrong path shows. Timings: warm-up steps first (they also
-fill the pool), then repetitions until `--min-reps` and `--budget-s` are both met (at most `--max-reps`; a slow cell
-stops after `--cap-s` once it has 3), so the default run takes a few minutes at most.
+Cells are median milliseconds per step. Every exact column's output is compared with SDPA's ("max diff (exact)": the
+largest absolute difference over those columns), so a fast but wrong path shows. Compressed mode is approximate by
+design, so its difference from SDPA is its own column ("compressed diff (approximate)": the largest absolute
+difference and the relative L2 error of the batch's output), not a correctness check: on these random keys
+attention is spread evenly, the case where top-k selection is known to lose most (docs/quality.md measures quality on
+a trained model). A second table gives the speed ratios of compressed mode (each pool) against the other columns.
+
+Timings: warm-up steps first (they also fill the pool), then repetitions until `--min-reps` and `--budget-s` are both
+met (at most `--max-reps`; a slow cell stops after `--cap-s` once it has 3), so the default run takes a few minutes.
 """
 
 from __future__ import annotations
@@ -43,18 +54,28 @@ HEAD_SIZE = 128
 BLOCK_SIZE = 16
 DTYPE = torch.float32
 TILE_BLOCKS = 16  # ActiveKV's default tile (256 tokens)
-CONTEXTS = (2048, 8192, 16384)
+CONTEXTS = (2048, 8192, 16384, 32768)
 BATCHES = (1, 8)
 MISSING = "n/a (module missing)"
+# Compressed mode's options (its pool is the Builder's default: the worst-case union of one row's selections).
+COMPRESSED = {"mode": "compressed", "budget_tokens": 2048, "sink_blocks": 1, "recent_blocks": 2}
 
 # Column headers (milliseconds per step); docs/benchmarks.md explains each.
-COLUMNS = (
-    "ActiveKV pool=all",
-    "ActiveKV pool=1/4",
-    "CPU_ATTN block 16",
-    "CPU_ATTN block 128",
-    "SDPA",
-)
+EXACT_POOL_ALL = "ActiveKV exact pool=all"
+EXACT_POOL_QUARTER = "ActiveKV exact pool=1/4"
+COMPRESSED_COLUMN = "ActiveKV compressed 2048"
+COMPRESSED_BATCH_POOL = "ActiveKV compressed 2048 pool=batch x union"
+CPU_ATTN_16 = "CPU_ATTN block 16"
+CPU_ATTN_128 = "CPU_ATTN block 128"
+SDPA = "SDPA"
+COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, COMPRESSED_COLUMN, COMPRESSED_BATCH_POOL, CPU_ATTN_16, CPU_ATTN_128,
+           SDPA)
+# Columns whose output must equal attention over the whole context (within float32 rounding).
+EXACT_COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, CPU_ATTN_16, CPU_ATTN_128)
+# Speed ratios reported per row and compressed column: (column / compressed). Above 1: compressed is that many times
+# faster.
+RATIO_COLUMNS = (CPU_ATTN_16, CPU_ATTN_128, EXACT_POOL_ALL, SDPA)
+SAME_AS_DEFAULT = "= default"  # pool=batch x union at batch 1 is the default pool
 
 
 @dataclass(frozen=True)
@@ -187,20 +208,20 @@ def cpu_attn_column(case: Case, block_size: int) -> tuple[Callable[[], None], to
     return step, out
 
 
-def activekv_column(case: Case, backend: Any, pool_fraction: int) -> tuple[Callable[[], None], torch.Tensor]:
+def activekv_column(case: Case, backend: Any, options: dict[str, Any]) -> tuple[Callable[[], None], torch.Tensor]:
     """ActiveKV through its vLLM-facing objects, called as vLLM's patched backend calls them for one layer:
-    `Builder.build` on a CommonAttentionMetadata stand-in, `Impl.do_kv_cache_update`, `Impl.forward`."""
+    `Builder.build` on a CommonAttentionMetadata stand-in, `Impl.do_kv_cache_update`, `Impl.forward`. `options` go
+    to `additional_config["activekv"]` (tile_blocks is TILE_BLOCKS)."""
     from types import SimpleNamespace
 
     block_table = case.block_table(BLOCK_SIZE)
     slots = case.slot_mapping(block_table, BLOCK_SIZE)
     num_blocks = block_table.numel()
-    pool_blocks = max(TILE_BLOCKS, num_blocks // pool_fraction)
     spec = SimpleNamespace(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE,
                            sliding_window=None)
     config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: NUM_HEADS),
                              parallel_config=None,
-                             additional_config={"activekv": {"pool_blocks": pool_blocks, "tile_blocks": TILE_BLOCKS}})
+                             additional_config={"activekv": {**options, "tile_blocks": TILE_BLOCKS}})
     layer = SimpleNamespace(layer_name="bench.layers.0.attn")
     builder = backend.Builder(spec, [layer.layer_name], config, torch.device("cpu"))
     impl = backend.Impl(NUM_HEADS, HEAD_SIZE, case.scale, NUM_KV_HEADS)
@@ -224,6 +245,18 @@ def activekv_column(case: Case, backend: Any, pool_fraction: int) -> tuple[Calla
     return step, out
 
 
+def exact_options(case: Case, pool_fraction: int) -> dict[str, Any]:
+    """Exact mode with a pool of the blocks one step reads, divided by `pool_fraction` (at least one tile)."""
+    num_blocks = case.batch * case.context // BLOCK_SIZE
+    return {"mode": "exact", "pool_blocks": max(TILE_BLOCKS, num_blocks // pool_fraction)}
+
+
+def worst_case_union_blocks() -> int:
+    """Compressed mode's default pool: num_kv_heads * k + sink + recent blocks, k = budget blocks - sink - recent."""
+    k = COMPRESSED["budget_tokens"] // BLOCK_SIZE - COMPRESSED["sink_blocks"] - COMPRESSED["recent_blocks"]
+    return NUM_KV_HEADS * k + COMPRESSED["sink_blocks"] + COMPRESSED["recent_blocks"]
+
+
 def machine_line() -> str:
     model = platform.processor() or "unknown CPU"
     try:
@@ -244,39 +277,68 @@ def load_backend() -> tuple[Any | None, str]:
     return backend, str(getattr(backend, "__version__", "unknown"))
 
 
-def run(contexts: Sequence[int], batches: Sequence[int], timing: Timing, seed: int) -> tuple[list[str], list[int]]:
-    """Benchmark every (context, batch); returns (markdown table lines, repetitions of every timed cell)."""
+def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tuple[Callable[[], None], torch.Tensor]]
+                                                          | None]:
+    """Per column: a function that builds (step, output), or None when the column does not run (module missing, or
+    pool=batch x union at batch 1, which is the default pool)."""
+    akv = backend is not None
+    return {
+        EXACT_POOL_ALL: (lambda: activekv_column(case, backend, exact_options(case, 1))) if akv else None,
+        EXACT_POOL_QUARTER: (lambda: activekv_column(case, backend, exact_options(case, 4))) if akv else None,
+        COMPRESSED_COLUMN: (lambda: activekv_column(case, backend, COMPRESSED)) if akv else None,
+        COMPRESSED_BATCH_POOL: (lambda: activekv_column(
+            case, backend, {**COMPRESSED, "pool_blocks": case.batch * worst_case_union_blocks()}))
+        if akv and case.batch > 1 else None,
+        CPU_ATTN_16: lambda: cpu_attn_column(case, 16),
+        CPU_ATTN_128: lambda: cpu_attn_column(case, 128),
+        SDPA: lambda: sdpa_column(case),
+    }
+
+
+def run(contexts: Sequence[int], batches: Sequence[int], timing: Timing, seed: int) -> tuple[list[str], list[str],
+                                                                                               list[int]]:
+    """Benchmark every (context, batch); returns (markdown table lines, ratio table lines, repetitions of every timed
+    cell)."""
     backend, _ = load_backend()
-    header = ["context", "batch", *COLUMNS, "max diff"]
+    header = ["context", "batch", *COLUMNS, "max diff (exact)", "compressed diff (approximate)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    ratio_header = ["context", "batch", "compressed pool", *(f"{c} / compressed" for c in RATIO_COLUMNS)]
+    ratio_lines = ["| " + " | ".join(ratio_header) + " |", "|" + "---|" * len(ratio_header)]
     reps: list[int] = []
     for context in contexts:
         for batch in batches:
             case = make_case(context, batch, seed)
-            columns: list[Callable[[], tuple[Callable[[], None], torch.Tensor]] | None] = [
-                (lambda: activekv_column(case, backend, 1)) if backend is not None else None,
-                (lambda: activekv_column(case, backend, 4)) if backend is not None else None,
-                lambda: cpu_attn_column(case, 16),
-                lambda: cpu_attn_column(case, 128),
-                lambda: sdpa_column(case),
-            ]
-            cells: list[str] = []
-            outputs: list[torch.Tensor] = []
-            for make in columns:
+            ms: dict[str, float] = {}
+            outputs: dict[str, torch.Tensor] = {}
+            for name, make in column_makers(case, backend).items():
                 if make is None:
-                    cells.append(MISSING)
                     continue
                 step, out = make()
-                ms, n = time_step(step, timing)
-                cells.append(f"{ms:.2f}")
+                ms[name], n = time_step(step, timing)
                 reps.append(n)
-                outputs.append(out)
+                outputs[name] = out
                 del step  # frees this column's cache and pool before the next one is built
-            reference = outputs[-1]  # SDPA
-            worst = max((o - reference).abs().max().item() for o in outputs)
-            lines.append(f"| {context // 1024}k | {batch} | " + " | ".join(cells) + f" | {worst:.1e} |")
-            del case, columns, outputs, reference
-    return lines, reps
+            reference = outputs[SDPA]
+
+            def diff(name: str) -> float:
+                return (outputs[name] - reference).abs().max().item()
+
+            worst = max(diff(name) for name in EXACT_COLUMNS if name in outputs)
+            compressed = MISSING
+            if COMPRESSED_COLUMN in outputs:
+                rel = ((outputs[COMPRESSED_COLUMN] - reference).norm() / reference.norm()).item()
+                compressed = f"max {diff(COMPRESSED_COLUMN):.1e}, rel {rel:.1e}"
+            missing = {name: SAME_AS_DEFAULT if name == COMPRESSED_BATCH_POOL and backend is not None else MISSING
+                       for name in COLUMNS}
+            cells = [f"{ms[name]:.2f}" if name in ms else missing[name] for name in COLUMNS]
+            label = f"| {context // 1024}k | {batch} | "
+            lines.append(label + " | ".join(cells) + f" | {worst:.1e} | {compressed} |")
+            for variant, pool in ((COMPRESSED_COLUMN, "default"), (COMPRESSED_BATCH_POOL, "batch x union")):
+                if variant in ms:
+                    ratios = [f"{ms[name] / ms[variant]:.2f}x" for name in RATIO_COLUMNS]
+                    ratio_lines.append(label + f"{pool} | " + " | ".join(ratios) + " |")
+            del case, outputs, reference
+    return lines, ratio_lines, reps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -304,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_line()
     started = time.perf_counter()
     timing = Timing(args.warmup, args.min_reps, args.max_reps, args.budget_s, args.cap_s)
-    table, reps = run(args.contexts, args.batches, timing, args.seed)
+    table, ratios, reps = run(args.contexts, args.batches, timing, args.seed)
     elapsed = time.perf_counter() - started
     command = shlex.join(["python", "-m", "tools.bench", *(argv if argv is not None else sys.argv[1:])])
     print(f"command: `{command}`")
@@ -313,10 +375,17 @@ def main(argv: list[str] | None = None) -> int:
           f"python {platform.python_version()}")
     print(f"setup: decode (1 query token per row), {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head size "
           f"{HEAD_SIZE}, {str(DTYPE).removeprefix('torch.')}, ActiveKV block {BLOCK_SIZE} / tile {TILE_BLOCKS} "
-          f"blocks, {torch.get_num_threads()} threads; median ms per step of one layer after up to {args.warmup} "
+          f"blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink {COMPRESSED['sink_blocks']} / "
+          f"recent {COMPRESSED['recent_blocks']} / default pool {worst_case_union_blocks()} blocks, "
+          f"{torch.get_num_threads()} threads; median ms per step of one layer after up to {args.warmup} "
           f"warm-up steps, {min(reps)}-{max(reps)} reps per cell; seed {args.seed}; run took {elapsed:.0f} s")
     print()
     print("\n".join(table))
+    if len(ratios) > 2:
+        print()
+        print("Speed ratios (column's ms / compressed ms; above 1: compressed is faster):")
+        print()
+        print("\n".join(ratios))
     return 0
 
 

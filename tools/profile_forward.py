@@ -1,7 +1,9 @@
 """Where one ActiveKV decode forward spends its time: torch.profiler over `Impl.forward`, ATen ops by self CPU time.
 
-`python -m tools.profile_forward [--context N] [--batch B] [--pool-fraction F] [--reps R]`. The geometry is the
-benchmark's (32 query heads, 8 KV heads, head size 128, float32, block 16, tile 16 blocks); a profile, not a timing.
+`python -m tools.profile_forward [--context N] [--batch B] [--pool-fraction F] [--mode exact|compressed] [--reps R]`.
+The geometry is the benchmark's (32 query heads, 8 KV heads, head size 128, float32, block 16, tile 16 blocks);
+`--mode compressed` uses the benchmark's compressed options (budget 2048 tokens, sink 1, recent 2) and the default
+pool (`--pool-fraction` is then ignored). A profile, not a timing.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from types import SimpleNamespace
 
 import torch
 
+from tools.bench import COMPRESSED
+
 H, KVH, D, BS, TILE = 32, 8, 128, 16, 16
 
 
@@ -19,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--pool-fraction", type=int, default=1, help="pool = blocks read per step / this")
+    parser.add_argument("--mode", choices=("exact", "compressed"), default="exact")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
     import activekv._backend as backend  # after torch
@@ -27,10 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     per_row = -(-args.context // BS)
     nb = per_row * args.batch
     pool = max(TILE, nb // args.pool_fraction)
+    options = {"pool_blocks": pool} if args.mode == "exact" else dict(COMPRESSED)
     spec = SimpleNamespace(block_size=BS, num_kv_heads=KVH, head_size=D, dtype=torch.float32, sliding_window=None)
     cfg = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: H),
                           parallel_config=None,
-                          additional_config={"activekv": {"pool_blocks": pool, "tile_blocks": TILE}})
+                          additional_config={"activekv": {**options, "tile_blocks": TILE}})
     layer = SimpleNamespace(layer_name="profile.layers.0.attn")
     builder = backend.Builder(spec, [layer.layer_name], cfg, torch.device("cpu"))
     impl = backend.Impl(H, D, D ** -0.5, KVH)
@@ -48,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.profiler.profile() as prof:
         for _ in range(args.reps):
             impl.forward(layer, q, q, q, cache, plan, out)
-    print(f"context {args.context}, batch {args.batch}, pool {pool} blocks, {args.reps} forwards")
+    pool_text = f"pool {pool} blocks" if args.mode == "exact" else "default pool"
+    print(f"{args.mode} mode, context {args.context}, batch {args.batch}, {pool_text}, {args.reps} forwards")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     return 0
 
