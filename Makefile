@@ -11,7 +11,7 @@ PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel audit intake test demo bench parity quality patch-vllm unpatch-vllm clean
+.PHONY: help venv build wheel audit intake test demo bench parity quality patch-vllm unpatch-vllm gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -70,6 +70,19 @@ parity: build ## every parity cell (exact + compressed), engine's ATen path vs t
 quality: build patch-vllm ## train the byte-level Llama if needed (tools/train_tiny.py), measure compressed mode, write docs/quality.md
 	$(PY) -m tools.train_tiny build/tiny-trained
 	$(PY) -m tools.quality --model build/tiny-trained
+
+GPU_PY ?= python3
+GPU_OUT ?= build/gpu
+# The device image exports CC/CXX=/opt/gcc/bin/gcc,g++, whose libstdc++ ends up inside libactivekv_engine.so beside the
+# system one torch uses: formatting any error message then crashes. Build with the system compiler torch matches.
+GPU_CC ?= /usr/bin/gcc
+GPU_CXX ?= /usr/bin/g++
+gpu-check: ## CUDA machine only (the device tool's H200): build with its python3's torch, run tests/test_gpu.py, then tools/bench_gpu.py
+	CC=$(GPU_CC) CXX=$(GPU_CXX) $(GPU_PY) -m pip install -q --no-build-isolation --no-deps \
+		--config-settings=build-dir=build/gpu-{wheel_tag} .
+	cd /tmp && $(GPU_PY) -c "import torch, activekv._backend as b; assert torch.cuda.is_available(); print('activekv', b.__version__, 'on', torch.cuda.get_device_name(), 'torch', torch.__version__)"
+	$(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py
+	$(GPU_PY) -m tools.bench_gpu --out $(GPU_OUT) $(GPU_BENCH_ARGS)
 
 clean: ## remove build outputs (keeps .venv)
 	rm -rf build dist compile_commands.json .pytest_cache

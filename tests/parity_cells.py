@@ -199,22 +199,33 @@ def first_key_difference(engine: Mapping[Any, Any], reference: Mapping[Any, Any]
     return "no difference found"
 
 
-def run_cell(cell: Cell) -> dict[str, Any]:
+def run_cell(cell: Cell, device: str = "cpu", tiered: bool = False, transfer: str = "mapped") -> dict[str, Any]:
     """Replay the cell on the native engine (its ATen path) and on the reference; compare outputs and selections at
     every step and layer, then telemetry counters, both KV tiers, key metadata and page tables; all bit for bit
-    (torch.equal / ==). Returns the native telemetry snapshot; raises `Mismatch` at the first item that differs."""
+    (torch.equal / ==). Returns the native telemetry snapshot; raises `Mismatch` at the first item that differs.
+
+    `device` is the pool's device (the engine's and the reference's); the query, K/V and output tensors live there.
+    With `tiered` (CUDA only) the host tier is pinned CPU memory and admissions take the engine's `transfer` path
+    ("mapped" or "staged", engine/include/activekv/transfer.h); the reference copies the same bytes plainly."""
     nb = host_blocks_for(cell)
-    eng = backend.Engine(*cell.engine_args(), **cell.engine_kwargs())
-    ref = RefEngine(*cell.engine_args(), **cell.engine_kwargs())
+    dev = torch.device(device)
+    eng = backend.Engine(*cell.engine_args(), device=dev, transfer=transfer, **cell.engine_kwargs())
+    ref = RefEngine(*cell.engine_args(), device=dev, **cell.engine_kwargs())
 
     def fail(where: str, what: str) -> Mismatch:
         return Mismatch(f"{cell.id}: {where}: {what}", eng.snapshot())
 
     shape = (nb, 2, cell.block_size, 2 * cell.head_size)  # vLLM's LBHNC per-layer view, 2 KV heads
-    caches_n = [torch.zeros(shape, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
-    caches_r = [torch.zeros(shape, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
+    def cache() -> torch.Tensor:
+        return torch.zeros(shape, dtype=cell.dtype).pin_memory() if tiered else torch.zeros(shape, dtype=cell.dtype,
+                                                                                              device=dev)
+
+    caches_n = [cache() for _ in range(NUM_LAYERS)]
+    caches_r = [cache() for _ in range(NUM_LAYERS)]
     scale = cell.head_size ** -0.5
     for si, st in enumerate(make_steps(cell, nb)):
+        if dev.type != "cpu":
+            st.q, st.k, st.v = ([x.to(dev) for x in xs] for xs in (st.q, st.k, st.v))
         plan_n = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
         plan_r = ref.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
         for layer in range(NUM_LAYERS):

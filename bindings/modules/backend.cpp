@@ -241,7 +241,7 @@ PYBIND11_MODULE(_backend, m) {
       .def(py::init([](int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                        int64_t block_size, at::ScalarType dtype, int64_t pool_blocks, int64_t tile_blocks,
                        at::Device device, const std::string& mode, int64_t budget_tokens, int64_t sink_blocks,
-                       int64_t recent_blocks, const std::string& kernel) {
+                       int64_t recent_blocks, const std::string& kernel, const std::string& transfer) {
              activekv::EngineConfig cfg;
              cfg.geometry = activekv::Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
                                                tile_blocks);
@@ -251,14 +251,19 @@ PYBIND11_MODULE(_backend, m) {
              cfg.sink_blocks = sink_blocks;
              cfg.recent_blocks = recent_blocks;
              cfg.kernel = activekv::parse_kernel(kernel);
+             cfg.transfer = activekv::parse_transfer(transfer);
              return std::make_shared<Engine>(cfg, device);
            }),
            py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
            py::arg("block_size"), py::arg("dtype"), py::arg("pool_blocks"), py::arg("tile_blocks"),
            py::arg("device") = at::Device("cpu"), py::arg("mode") = "exact", py::arg("budget_tokens") = 2048,
            py::arg("sink_blocks") = 1, py::arg("recent_blocks") = 2, py::arg("kernel") = "native",
+           py::arg("transfer") = "mapped",
            "mode 'exact' or 'compressed' (budget_tokens, sink_blocks, recent_blocks apply to compressed mode); kernel "
-           "'native' (fast CPU kernel) or 'aten' (the bit-exact ATen tile path the reference mirrors).")
+           "'native' (fast CPU kernel) or 'aten' (the bit-exact ATen tile path the reference mirrors). device: the "
+           "pool's device; on CUDA each layer's kv_cache is device memory (resident) or pinned CPU memory (tiered), "
+           "and transfer picks how a tiered engine admits blocks: 'mapped' (a device gather reading pinned host "
+           "memory) or 'staged' (CPU gather into pinned staging, one host-to-device copy).")
       .def(
           "build",
           [](const std::shared_ptr<Engine>& e, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,

@@ -10,4 +10,14 @@ PYBIND11_MODULE(_transfer, m) {
   m.def("copy_blocks", &activekv::copy_blocks, py::arg("src"), py::arg("dst"), py::arg("src_ids"), py::arg("dst_ids"),
         py::call_guard<py::gil_scoped_release>(),
         "dst[dst_ids[i]] = src[src_ids[i]] for every i, in one gather and one scatter; returns bytes copied.");
+  m.def("copy_blocks_staged", &activekv::copy_blocks_staged, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
+        py::arg("dst_ids"), py::arg("copy_stream"), py::call_guard<py::gil_scoped_release>(),
+        "copy_blocks from pinned CPU src to CUDA dst: CPU gather into pinned staging, one host-to-device copy on "
+        "copy_stream (a torch.cuda.Stream), the current stream waits on it, then scatters. Returns bytes copied once "
+        "queued. ValueError if src is not pinned CPU memory or dst is not on copy_stream's device.");
+  m.def("copy_blocks_mapped", &activekv::copy_blocks_mapped, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
+        py::arg("dst_ids"), py::arg("copy_stream"), py::call_guard<py::gil_scoped_release>(),
+        "copy_blocks from pinned CPU src to CUDA dst: one gather kernel on copy_stream reads the blocks straight from "
+        "pinned host memory (unified addressing), the current stream waits on it, then scatters. Returns bytes "
+        "copied once queued. Same errors as copy_blocks_staged.");
 }

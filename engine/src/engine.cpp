@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -67,8 +68,23 @@ int64_t worst_case_union_blocks(const EngineConfig& c) {
   return g.num_kv_heads * k + c.sink_blocks + c.recent_blocks;
 }
 
+Transfer parse_transfer(const std::string& name) {
+  if (name == "mapped") return Transfer::kMapped;
+  if (name == "staged") return Transfer::kStaged;
+  AKV_CHECK_VALUE(false, "transfer must be 'mapped' or 'staged', got '", name, "'");
+  return Transfer::kMapped;
+}
+
+namespace {
+// "cuda" means the current CUDA device: pin the index, so device checks compare like with like (cuda:0 == cuda:0).
+at::Device with_index(at::Device device) {
+  if (device.is_cpu() || device.has_index()) return device;
+  return c10::impl::VirtualGuardImpl(device.type()).getDevice();
+}
+}  // namespace
+
 Engine::Engine(EngineConfig config, at::Device device)
-    : config_(std::move(config)), device_(device), kv_(config_.geometry, config_.pool_blocks, device) {
+    : config_(std::move(config)), device_(with_index(device)), kv_(config_.geometry, config_.pool_blocks, device_) {
   AKV_CHECK_VALUE(config_.pool_blocks >= config_.geometry.tile_blocks, "pool_blocks (", config_.pool_blocks,
                   ") must be >= tile_blocks (", config_.geometry.tile_blocks,
                   "): the pool must hold one whole tile to stream a context through it");
@@ -88,6 +104,10 @@ Engine::Engine(EngineConfig config, at::Device device)
   telemetry_.set_info("tile_blocks", g.tile_blocks);
   telemetry_.set_info("block_size", g.block_size);
   telemetry_.set_info("bytes_per_block", g.bytes_per_block());
+  // A device pool fed from a pinned host tier copies on its own stream (transfer.h), taken once from the pool of
+  // streams of the device.
+  if (device_.is_cuda())
+    copy_stream_ = c10::impl::VirtualGuardImpl(device_.type()).getStreamFromGlobalPool(device_, false);
 }
 
 void Engine::set_layer_names(const std::vector<std::string>& names) {
@@ -241,7 +261,15 @@ namespace activekv {
 
 void Engine::admit_and_copy(LayerState& L, const at::Tensor& host, TileAdmission& adm) {
   if (!adm.miss_blocks.empty()) {
-    telemetry_.add(Counter::kBytesH2D, copy_blocks(host, L.pool, adm.miss_blocks, adm.miss_slots));
+    int64_t bytes = 0;
+    if (copy_stream_.has_value() && host.is_cpu()) {  // tiered
+      bytes = config_.transfer == Transfer::kMapped
+                  ? copy_blocks_mapped(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy_stream_)
+                  : copy_blocks_staged(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy_stream_);
+    } else {
+      bytes = copy_blocks(host, L.pool, adm.miss_blocks, adm.miss_slots);
+    }
+    telemetry_.add(Counter::kBytesH2D, bytes);
     telemetry_.add(Counter::kBlocksAdmitted, static_cast<int64_t>(adm.miss_blocks.size()));
   }
   telemetry_.add(Counter::kBlocksHit, adm.hits);
@@ -283,7 +311,8 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
   const int64_t kvh = g.num_kv_heads, bs = g.block_size, tb = g.tile_blocks, m = selection_.per_head();
   auto row_blocks = at::empty({nb}, at::TensorOptions().dtype(at::kLong));
   std::copy(row, row + nb, row_blocks.data_ptr<int64_t>());
-  auto pos = select_blocks(q, L.key_min, L.key_max, row_blocks.to(device_), selection_);  // [KVH, m] positions
+  auto pos = select_blocks(q, L.key_min, L.key_max, index_tensor(std::vector<int64_t>(row, row + nb), device_),
+                          selection_);  // [KVH, m] positions
   auto pos_cpu = pos.to(at::kCPU).contiguous();
   const int64_t* pp = pos_cpu.data_ptr<int64_t>();
   // The pool admits the union of the heads' blocks, in position order, all pinned while the row attends.

@@ -51,8 +51,15 @@ void KVState::reset_layer(int64_t index) {
 
 at::Tensor KVState::host_view(const at::Tensor& kv_cache) const {
   auto host = as_block_layout(g_, kv_cache, "kv_cache");
-  AKV_CHECK_VALUE(host.device() == device_, "kv_cache must be on ", device_, " (the engine's device), got ",
-                  host.device());
+  if (device_.is_cuda() && host.is_cpu()) {
+    // Tiered: the host tier in pinned CPU memory, the pool on the device. Pageable memory would make every
+    // admission a synchronous staged copy through the driver.
+    AKV_CHECK_VALUE(host.is_pinned(), "kv_cache on cpu must be in pinned memory when the pool is on ", device_,
+                    " (allocate it with torch.empty(..., pin_memory=True)), got pageable memory");
+    return host;
+  }
+  AKV_CHECK_VALUE(host.device() == device_, "kv_cache must be on ", device_, " (the engine's device)",
+                  device_.is_cuda() ? " or in pinned CPU memory" : "", ", got ", host.device());
   return host;
 }
 
@@ -126,8 +133,17 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
   using at::indexing::Slice;
   auto k = key.index_select(0, index_tensor(tok, device_));    // [N, KVH, D]
   auto v = value.index_select(0, index_tensor(tok, device_));  // [N, KVH, D]
-  host.select(2, 0).index_put_({blk_t, Slice(), off_t}, k);
-  host.select(2, 1).index_put_({blk_t, Slice(), off_t}, v);
+  if (host.device() == device_) {
+    host.select(2, 0).index_put_({blk_t, Slice(), off_t}, k);
+    host.select(2, 1).index_put_({blk_t, Slice(), off_t}, v);
+  } else {
+    // Tiered: a blocking device-to-host copy of the new tokens, ordered after the compute that produced them on
+    // the current stream (the store can never race the kernel that writes the KV), then a CPU scatter.
+    auto hb = index_tensor(blk, host.device()), ho = index_tensor(off, host.device());
+    host.select(2, 0).index_put_({hb, Slice(), ho}, k.to(host.device()));
+    host.select(2, 1).index_put_({hb, Slice(), ho}, v.to(host.device()));
+    t.add(Counter::kBytesD2H, 2 * k.numel() * static_cast<int64_t>(k.element_size()));
+  }
   t.add(Counter::kTokensWritten, nt);
 
   // Write-through: a resident copy of a written block gets the same tokens, so the pool never serves stale KV.

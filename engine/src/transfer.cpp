@@ -2,16 +2,16 @@
 #include <activekv/geometry.h>
 #include <activekv/transfer.h>
 
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 namespace activekv {
 
-at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device) {
-  auto t = at::empty({static_cast<int64_t>(ids.size())}, at::TensorOptions().dtype(at::kLong));
-  std::copy(ids.begin(), ids.end(), t.data_ptr<int64_t>());
-  return t.to(device);
-}
+namespace {
 
-int64_t copy_blocks(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
-                    const std::vector<int64_t>& dst_ids) {
+void check_copy(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
+                const std::vector<int64_t>& dst_ids) {
   AKV_CHECK_VALUE(src.dim() >= 1 && dst.dim() == src.dim() && src.sizes().slice(1) == dst.sizes().slice(1),
                   "src and dst must share their trailing block shape, got src ", shape_str(src.sizes()), " and dst ",
                   shape_str(dst.sizes()));
@@ -25,12 +25,99 @@ int64_t copy_blocks(const at::Tensor& src, const at::Tensor& dst, const std::vec
     AKV_CHECK_INDEX(dst_ids[i] >= 0 && dst_ids[i] < dst.size(0), "dst_ids[", i, "] must be in [0, ", dst.size(0),
                     "), got ", dst_ids[i]);
   }
+}
+
+int64_t batch_bytes(const at::Tensor& src, size_t n) {
+  return static_cast<int64_t>(n) * (src.numel() / std::max<int64_t>(src.size(0), 1)) *
+         static_cast<int64_t>(src.element_size());
+}
+
+}  // namespace
+
+at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device) {
+  const bool to_device = !device.is_cpu();
+  auto t = at::empty({static_cast<int64_t>(ids.size())}, at::TensorOptions().dtype(at::kLong).pinned_memory(to_device));
+  std::copy(ids.begin(), ids.end(), t.data_ptr<int64_t>());
+  return to_device ? t.to(device, /*non_blocking=*/true) : t;
+}
+
+int64_t copy_blocks(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
+                    const std::vector<int64_t>& dst_ids) {
+  check_copy(src, dst, src_ids, dst_ids);
   if (src_ids.empty()) return 0;
   // One gather and one scatter for the whole batch: two ATen ops whatever the block count.
   auto gathered = src.index_select(0, index_tensor(src_ids, src.device()));
   dst.index_copy_(0, index_tensor(dst_ids, dst.device()), gathered.to(dst.device()));
-  return static_cast<int64_t>(src_ids.size()) * (src.numel() / std::max<int64_t>(src.size(0), 1)) *
-         static_cast<int64_t>(src.element_size());
+  return batch_bytes(src, src_ids.size());
+}
+
+namespace {
+void check_tiered(const at::Tensor& src, const at::Tensor& dst, const c10::Stream& copy_stream) {
+  AKV_CHECK_VALUE(src.is_cpu() && src.is_pinned(), "src must be pinned CPU memory, got ", src.device(),
+                  src.is_cpu() ? " (pageable)" : "");
+  AKV_CHECK_VALUE(dst.device().is_cuda() && dst.device() == copy_stream.device(),
+                  "dst must be on the copy stream's CUDA device ", copy_stream.device(), ", got ", dst.device());
+}
+
+// The compute stream waits for the copy stream's work so far; `buffer` (allocated on the copy stream) is recorded on
+// the compute stream, then scattered into dst there.
+void finish_on_compute(const at::Tensor& dst, const std::vector<int64_t>& dst_ids, const at::Tensor& buffer,
+                       const c10::Stream& copy_stream) {
+  c10::impl::VirtualGuardImpl impl(dst.device().type());
+  const c10::Stream compute = impl.getStream(dst.device());
+  c10::Event copied(dst.device().type());
+  copied.record(copy_stream);
+  copied.block(compute);
+  impl.recordDataPtrOnStream(buffer.storage().data_ptr(), compute);
+  auto shape = dst.sizes().vec();
+  shape[0] = -1;
+  dst.index_copy_(0, index_tensor(dst_ids, dst.device()), buffer.view(dst.scalar_type()).view(shape));
+}
+}  // namespace
+
+int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
+                           const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream) {
+  check_copy(src, dst, src_ids, dst_ids);
+  check_tiered(src, dst, copy_stream);
+  AKV_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous(), "src and dst must be contiguous");
+  if (src_ids.empty()) return 0;
+  const int64_t row_bytes = src.numel() / std::max<int64_t>(src.size(0), 1) * src.element_size();
+  // Words of 8 bytes when a block allows it (fewer, wider reads over the bus), else bytes.
+  const auto word = row_bytes % 8 == 0 ? at::kLong : at::kByte;
+  const int64_t row_words = row_bytes / (word == at::kLong ? 8 : 1);
+  // The host tier seen from the device: the same pinned pointer, no copy, no ownership (src outlives the kernel: the
+  // engine holds its bound host tier, a caller holds src).
+  auto mapped = at::from_blob(src.data_ptr(), {src.size(0), row_words}, [](void*) {},
+                              at::TensorOptions().dtype(word).device(dst.device()));
+  at::Tensor gathered;
+  {
+    c10::StreamGuard guard(copy_stream);
+    gathered = mapped.index_select(0, index_tensor(src_ids, dst.device()));  // reads host memory in the kernel
+  }
+  finish_on_compute(dst, dst_ids, gathered, copy_stream);
+  return batch_bytes(src, src_ids.size());
+}
+
+int64_t copy_blocks_staged(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
+                           const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream) {
+  check_copy(src, dst, src_ids, dst_ids);
+  check_tiered(src, dst, copy_stream);
+  if (src_ids.empty()) return 0;
+  const auto n = static_cast<int64_t>(src_ids.size());
+  auto shape = src.sizes().vec();
+  shape[0] = n;
+  // 1. Gather on the CPU into one pinned buffer (contiguous: one DMA for the batch).
+  auto staging = at::empty(shape, src.options().pinned_memory(true));
+  at::index_select_out(staging, src, 0, index_tensor(src_ids, at::kCPU));
+  // 2. Host-to-device on the copy stream; the device buffer is allocated on that stream.
+  at::Tensor on_device;
+  {
+    c10::StreamGuard guard(copy_stream);
+    on_device = staging.to(dst.device(), /*non_blocking=*/true);
+  }
+  // 3. The compute stream waits for the copy, then scatters into the pool (pool slots are written only there).
+  finish_on_compute(dst, dst_ids, on_device, copy_stream);
+  return batch_bytes(src, src_ids.size());
 }
 
 }  // namespace activekv

@@ -72,18 +72,19 @@ def ungroup_output(out: torch.Tensor, num_q_tokens: int) -> torch.Tensor:
     return out.view(kvh, g, num_q_tokens, d).permute(2, 0, 1, 3).reshape(num_q_tokens, kvh * g, d)
 
 
-def tile_mask(first_query_pos: int, num_q_tokens: int, key_start: int, num_keys: int) -> torch.Tensor:
+def tile_mask(first_query_pos: int, num_q_tokens: int, key_start: int, num_keys: int,
+              device: torch.device | str = "cpu") -> torch.Tensor:
     """bool [Lq, num_keys]: True where key_pos > query_pos (attention.cpp tile_mask)."""
-    qpos = torch.arange(first_query_pos, first_query_pos + num_q_tokens, dtype=torch.int64)
-    kpos = torch.arange(key_start, key_start + num_keys, dtype=torch.int64)
+    qpos = torch.arange(first_query_pos, first_query_pos + num_q_tokens, dtype=torch.int64, device=device)
+    kpos = torch.arange(key_start, key_start + num_keys, dtype=torch.int64, device=device)
     return kpos.unsqueeze(0).gt(qpos.unsqueeze(1))
 
 
-def online_softmax_init(kvh: int, rows: int, d: int) -> list[torch.Tensor]:
+def online_softmax_init(kvh: int, rows: int, d: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
     return [
-        torch.full((kvh, rows, 1), float("-inf"), dtype=torch.float32),
-        torch.zeros((kvh, rows, 1), dtype=torch.float32),
-        torch.zeros((kvh, rows, d), dtype=torch.float32),
+        torch.full((kvh, rows, 1), float("-inf"), dtype=torch.float32, device=device),
+        torch.zeros((kvh, rows, 1), dtype=torch.float32, device=device),
+        torch.zeros((kvh, rows, d), dtype=torch.float32, device=device),
     ]
 
 
@@ -119,11 +120,11 @@ def tiled_attention(q: torch.Tensor, kv: torch.Tensor, seq_len: int, tile_blocks
     lq = q.shape[0]
     kvh, bs = kv.shape[1], kv.shape[3]
     qg = group_query(q, kvh)
-    st = online_softmax_init(kvh, qg.shape[1], q.shape[2])
+    st = online_softmax_init(kvh, qg.shape[1], q.shape[2], q.device)
     nb = (seq_len + bs - 1) // bs
     for start in range(0, nb, tile_blocks):
         n = min(nb, start + tile_blocks) - start
-        mask = tile_mask(seq_len - lq, lq, start * bs, n * bs)
+        mask = tile_mask(seq_len - lq, lq, start * bs, n * bs, q.device)
         online_softmax_tile(st, qg, kv.narrow(0, start, n).permute(1, 2, 0, 3, 4), mask, scale)
     return ungroup_output(torch.div(st[2], st[1]), lq)
 
@@ -143,19 +144,28 @@ def select_blocks(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor,
     score = bound.amax(1)
     order = torch.sort(score, stable=True, dim=1, descending=True)[1]
     top = torch.sort(order.narrow(1, 0, top_k), stable=True, dim=1, descending=False)[0]
-    sinks = torch.arange(0, sink_blocks, dtype=torch.int64).expand(kvh, sink_blocks)
-    recents = torch.arange(nb - recent_blocks, nb, dtype=torch.int64).expand(kvh, recent_blocks)
+    sinks = torch.arange(0, sink_blocks, dtype=torch.int64, device=q.device).expand(kvh, sink_blocks)
+    recents = torch.arange(nb - recent_blocks, nb, dtype=torch.int64, device=q.device).expand(kvh, recent_blocks)
     return torch.cat([sinks, top.add(sink_blocks), recents], 1)
 
 
 class RefEngine:
-    """Reference of activekv._backend.Engine (CPU), exact and compressed modes."""
+    """Reference of activekv._backend.Engine, exact and compressed modes.
+
+    ``device`` is the pool's device, as the engine's. On CUDA the host tier (kv_cache) is either on that device
+    (resident) or pinned CPU memory (tiered); the reference copies the same bytes with plain ops (no staging stream),
+    which changes no value.
+    """
 
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
                  dtype: torch.dtype, pool_blocks: int, tile_blocks: int, mode: str = "exact",
-                 budget_tokens: int = 2048, sink_blocks: int = 1, recent_blocks: int = 2, kernel: str = "aten") -> None:
+                 budget_tokens: int = 2048, sink_blocks: int = 1, recent_blocks: int = 2, kernel: str = "aten",
+                 device: torch.device | str = "cpu") -> None:
         if kernel != "aten":
             raise ValueError(f"the reference mirrors the ATen tile path only, got kernel={kernel!r}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as the engine: pin the current device's index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.mode, self.sink_blocks, self.recent_blocks = mode, sink_blocks, recent_blocks
         self.top_k = budget_tokens // block_size - sink_blocks - recent_blocks
         self.selection: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
@@ -166,7 +176,7 @@ class RefEngine:
         self.clock = 0
         shape = (pool_blocks, num_kv_heads, 2, block_size, head_size)
         self.layers = [
-            RefLayer(pool=torch.zeros(shape, dtype=dtype), block_of_slot=[-1] * pool_blocks,
+            RefLayer(pool=torch.zeros(shape, dtype=dtype, device=self.device), block_of_slot=[-1] * pool_blocks,
                      last_use=[0] * pool_blocks, pins=[0] * pool_blocks)
             for _ in range(num_layers)
         ]
@@ -192,8 +202,9 @@ class RefEngine:
             lay.block_of_slot = [-1] * self.pool_blocks
             lay.last_use = [0] * self.pool_blocks
             lay.pins = [0] * self.pool_blocks
-            lay.key_min = torch.full((nb, self.num_kv_heads, self.head_size), float("inf"), dtype=torch.float32)
-            lay.key_max = torch.full((nb, self.num_kv_heads, self.head_size), float("-inf"), dtype=torch.float32)
+            f32 = {"dtype": torch.float32, "device": self.device}
+            lay.key_min = torch.full((nb, self.num_kv_heads, self.head_size), float("inf"), **f32)
+            lay.key_max = torch.full((nb, self.num_kv_heads, self.head_size), float("-inf"), **f32)
         return host
 
     def build(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -224,23 +235,30 @@ class RefEngine:
         if not tok:
             return
         nt = len(tok)
-        blk_t = torch.tensor(blk, dtype=torch.int64)
-        off_t = torch.tensor(off, dtype=torch.int64)
-        k = key.index_select(0, torch.tensor(tok, dtype=torch.int64))
-        v = value.index_select(0, torch.tensor(tok, dtype=torch.int64))
-        host.select(2, 0)[blk_t, :, off_t] = k
-        host.select(2, 1)[blk_t, :, off_t] = v
+        dev = self.device
+        blk_t = torch.tensor(blk, dtype=torch.int64, device=dev)
+        off_t = torch.tensor(off, dtype=torch.int64, device=dev)
+        k = key.index_select(0, torch.tensor(tok, dtype=torch.int64, device=dev))
+        v = value.index_select(0, torch.tensor(tok, dtype=torch.int64, device=dev))
+        if host.device == dev:
+            host.select(2, 0)[blk_t, :, off_t] = k
+            host.select(2, 1)[blk_t, :, off_t] = v
+        else:  # tiered: the new tokens go back to the pinned host tier
+            hb, ho = blk_t.to(host.device), off_t.to(host.device)
+            host.select(2, 0)[hb, :, ho] = k.to(host.device)
+            host.select(2, 1)[hb, :, ho] = v.to(host.device)
+            self.counters["bytes_d2h"] += 2 * k.numel() * k.element_size()
         self.counters["tokens_written"] += nt
         wt = [(i, lay.slot_of_block[b], off[i]) for i, b in enumerate(blk) if lay.slot_of_block[b] >= 0]
         if wt:
-            pos = torch.tensor([w[0] for w in wt], dtype=torch.int64)
-            slot_t = torch.tensor([w[1] for w in wt], dtype=torch.int64)
-            woff_t = torch.tensor([w[2] for w in wt], dtype=torch.int64)
+            pos = torch.tensor([w[0] for w in wt], dtype=torch.int64, device=dev)
+            slot_t = torch.tensor([w[1] for w in wt], dtype=torch.int64, device=dev)
+            woff_t = torch.tensor([w[2] for w in wt], dtype=torch.int64, device=dev)
             lay.pool.select(2, 0)[slot_t, :, woff_t] = k.index_select(0, pos)
             lay.pool.select(2, 1)[slot_t, :, woff_t] = v.index_select(0, pos)
             self.counters["write_through_tokens"] += len(wt)
         if reset:
-            reset_t = torch.tensor(reset, dtype=torch.int64)
+            reset_t = torch.tensor(reset, dtype=torch.int64, device=dev)
             lay.key_min.index_fill_(0, reset_t, float("inf"))
             lay.key_max.index_fill_(0, reset_t, float("-inf"))
         kvd = self.num_kv_heads * self.head_size
@@ -294,7 +312,7 @@ class RefEngine:
             nb = self.blocks_for(seq)
             q = query.narrow(0, q0, lq)
             qg = group_query(q, self.num_kv_heads)
-            st = online_softmax_init(self.num_kv_heads, qg.shape[1], self.head_size)
+            st = online_softmax_init(self.num_kv_heads, qg.shape[1], self.head_size, self.device)
             row = bt[r, :nb].tolist()
             if self.mode == "compressed" and lq == 1 and nb > per_head:
                 self._attend_selected(layer, lay, host, row, seq, r, q, qg, st, scale)
@@ -306,8 +324,9 @@ class RefEngine:
         slots, miss_b, miss_s, hits, evicted = self._admit(lay, blocks)
         if miss_b:
             # transfer.cpp copy_blocks: one gather, one scatter.
-            gathered = host.index_select(0, torch.tensor(miss_b, dtype=torch.int64))
-            lay.pool.index_copy_(0, torch.tensor(miss_s, dtype=torch.int64), gathered)
+            gathered = host.index_select(0, torch.tensor(miss_b, dtype=torch.int64, device=host.device))
+            lay.pool.index_copy_(0, torch.tensor(miss_s, dtype=torch.int64, device=self.device),
+                                 gathered.to(self.device))
             self.counters["bytes_h2d"] += len(miss_b) * self.bytes_per_block
             self.counters["blocks_admitted"] += len(miss_b)
         self.counters["blocks_hit"] += hits
@@ -321,9 +340,9 @@ class RefEngine:
         for ti, start in enumerate(range(0, len(row), tb)):
             blocks = row[start:start + tb]
             slots = self._admit_and_copy(lay, host, blocks)
-            tile = gather_tile(lay.pool, torch.tensor(slots, dtype=torch.int64))
+            tile = gather_tile(lay.pool, torch.tensor(slots, dtype=torch.int64, device=self.device))
             n = len(blocks)
-            mask = tile_mask(seq - lq, lq, ti * tb * bs, n * bs)
+            mask = tile_mask(seq - lq, lq, ti * tb * bs, n * bs, self.device)
             online_softmax_tile(st, qg, tile, mask, scale)
             self.counters["tiles_computed"] += 1
             for s in slots:
@@ -336,8 +355,8 @@ class RefEngine:
         m = self.sink_blocks + self.top_k + self.recent_blocks
         nb = len(row)
         row_blocks = torch.tensor(row, dtype=torch.int64)
-        pos = select_blocks(q, lay.key_min, lay.key_max, row_blocks, self.sink_blocks, self.recent_blocks,
-                            self.top_k)
+        pos = select_blocks(q, lay.key_min, lay.key_max, row_blocks.to(self.device), self.sink_blocks,
+                            self.recent_blocks, self.top_k)
         pp = pos.reshape(-1).tolist()
         union_pos = sorted(set(pp))
         union_blocks = [row[p] for p in union_pos]
@@ -345,10 +364,10 @@ class RefEngine:
         slot_of_pos = dict(zip(union_pos, slots))
         flat = [slot_of_pos[pp[h * m + j]] * kvh + h for h in range(kvh) for j in range(m)]
         per_head = (lay.pool.view(lay.pool.shape[0] * kvh, 2, bs, d)
-                    .index_select(0, torch.tensor(flat, dtype=torch.int64))
+                    .index_select(0, torch.tensor(flat, dtype=torch.int64, device=self.device))
                     .view(kvh, m, 2, bs, d)
                     .permute(0, 2, 1, 3, 4))
-        offsets = torch.arange(bs, dtype=torch.int64)
+        offsets = torch.arange(bs, dtype=torch.int64, device=self.device)
         for t in range(0, m, tb):
             n = min(tb, m - t)
             kpos = pos.narrow(1, t, n).unsqueeze(2).mul(bs).add(offsets).reshape(kvh, n * bs)
@@ -357,7 +376,7 @@ class RefEngine:
             self.counters["tiles_computed"] += 1
         for s in slots:
             lay.pins[s] -= 1
-        self.selection[layer][r] = row_blocks.index_select(0, pos.reshape(-1)).view(kvh, m)
+        self.selection[layer][r] = row_blocks.index_select(0, pos.reshape(-1).cpu()).view(kvh, m)
         self.counters["compressed_rows"] += 1
         self.counters["compressed_context_blocks"] += nb
         self.counters["selected_blocks"] += kvh * m

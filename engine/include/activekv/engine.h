@@ -10,6 +10,7 @@
 #include <activekv/transfer.h>
 
 #include <memory>
+#include <optional>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -28,12 +29,21 @@ Kernel parse_kernel(const std::string& name);
 /// Option spelling of a kernel.
 const char* kernel_name(Kernel kernel);
 
+/// How a tiered engine (pinned CPU host tier, CUDA pool) moves admitted blocks (transfer.h). Unused otherwise.
+enum class Transfer : int {
+  kMapped = 0,  ///< copy_blocks_mapped: one device gather kernel reading pinned host memory (the default)
+  kStaged = 1,  ///< copy_blocks_staged: CPU gather into pinned staging, one host-to-device copy
+};
+/// Transfer from its option spelling ("mapped" or "staged"). @throws c10::ValueError naming the valid ones.
+Transfer parse_transfer(const std::string& name);
+
 /// Engine configuration, validated at construction.
 struct EngineConfig {
   Geometry geometry;
   int64_t pool_blocks = 0;  ///< active-pool slots per layer, >= geometry.tile_blocks
   Mode mode = Mode::kExact;
   Kernel kernel = Kernel::kNative;  ///< kNative on CPU (falls back to kAten on other devices)
+  Transfer transfer = Transfer::kMapped;  ///< tiered engines only
   // Compressed mode only (see admission.h).
   int64_t budget_tokens = 2048;  ///< tokens a selecting decode row attends per KV head
   int64_t sink_blocks = 1;
@@ -61,6 +71,9 @@ class Engine {
   /// @throws c10::ValueError if pool_blocks < tile_blocks or the geometry is invalid; in compressed mode also if
   ///         recent_blocks < 1, sink_blocks < 0, budget_tokens < (sink_blocks + recent_blocks + 1) * block_size, or
   ///         pool_blocks < worst_case_union_blocks.
+  /// @param device the pool's device. On CPU the host tier (each layer's kv_cache) is CPU memory too. On a CUDA device
+  ///        it is either that device's memory (resident) or pinned CPU memory (tiered: admitted blocks move
+  ///        host-to-device on a copy stream, transfer.h; KV updates write the new tokens back to the host tier).
   Engine(EngineConfig config, at::Device device);
 
   const EngineConfig& config() const { return config_; }
@@ -123,6 +136,7 @@ class Engine {
   Selection selection_;
   uint64_t clock_ = 0;
   std::unordered_map<std::string, int64_t> layer_names_;
+  std::optional<c10::Stream> copy_stream_;  ///< CUDA pool only: host-to-device copies of a pinned host tier
   std::mutex mu_;
 };
 

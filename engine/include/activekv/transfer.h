@@ -3,19 +3,34 @@
 /// @brief Host <-> device transfers: batched block copies between the host tier and the active pool.
 ///
 /// One gather (`index_select`) and one scatter (`index_copy_`) per batch of blocks, whatever the block count, so the
-/// cost is two ATen ops rather than one copy per block. On CPU these are plain memory copies. On CUDA tensors the
-/// same ops run on the current stream; the dedicated copy stream with events belongs to the GPU path.
+/// cost is two ATen ops rather than one copy per block (one copy per 16 KiB block reaches about 2% of a PCIe/C2C bus:
+/// ../shared/design/GPU_NOTES.md). On CPU these are plain memory copies.
+///
+/// Tiered (host tier in pinned CPU memory, pool on a CUDA device): copy_blocks_staged gathers the blocks on the CPU
+/// into one pinned staging buffer, copies it host-to-device on a dedicated copy stream, records an event there and
+/// makes the compute stream wait on it before the scatter into the pool. Ordering rules this gives:
+///  - attention reads a block only after the copy that admitted it (the event);
+///  - a pool slot is overwritten only on the compute stream, so never before earlier attention on it has run (no
+///    write-after-read on a reused slot);
+///  - the device staging buffer is recorded on the compute stream, so the caching allocator does not hand it out
+///    again before the scatter has read it; the pinned staging buffer is held by the caching host allocator until
+///    the copy that reads it has completed (ATen records that event on non-blocking copies from pinned memory);
+///  - one copy per batch, never one per block, so the copy stream's queue stays short.
+/// Everything here is device-generic c10 (Stream, Event, VirtualGuardImpl): the same source builds with or without
+/// CUDA, and the staged path is only taken when a CUDA device is present at run time.
 #include <ATen/ATen.h>
+#include <c10/core/Stream.h>
 
 #include <cstdint>
 #include <vector>
 
 namespace activekv {
 
-/// A block-id list as an int64 tensor [n] on `device` (the index argument of every gather and scatter).
+/// A block-id list as an int64 tensor [n] on `device` (the index argument of every gather and scatter). On a CUDA
+/// device the list goes through pinned memory with a non-blocking copy, so building an index never synchronizes.
 at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device);
 
-/// Copy blocks `src[src_ids[i]] -> dst[dst_ids[i]]` along dim 0.
+/// Copy blocks `src[src_ids[i]] -> dst[dst_ids[i]]` along dim 0, on the current stream (synchronous on CPU).
 /// @param src [num_src_blocks, ...] (e.g. the host tier [num_blocks, num_kv_heads, 2, block_size, head_size])
 /// @param dst [num_dst_blocks, ...] same trailing shape and dtype (e.g. the pool)
 /// @param src_ids, dst_ids equal-length block indices, in range for src and dst
@@ -24,5 +39,20 @@ at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device);
 ///         c10::IndexError on an out-of-range id.
 int64_t copy_blocks(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                     const std::vector<int64_t>& dst_ids);
+
+/// copy_blocks from a pinned CPU `src` to a CUDA `dst` through `copy_stream` (see the file comment for the ordering).
+/// Returns once the work is queued; the compute stream (the device's current stream) is ordered after the copy.
+/// @param copy_stream a stream of dst's device other than the current one
+/// @throws as copy_blocks; c10::ValueError if src is not pinned CPU memory or dst is not on copy_stream's device.
+int64_t copy_blocks_staged(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
+                           const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream);
+
+/// copy_blocks from a pinned CPU `src` to a CUDA `dst` with the gather on the device: with unified virtual addressing
+/// a pinned host pointer is valid in device code, so one gather kernel on `copy_stream` reads the scattered blocks
+/// straight from host memory over the bus (8-byte words) into a device buffer; the compute stream waits on an event
+/// and scatters into dst. No CPU gather and no pinned staging. Same ordering rules as copy_blocks_staged.
+/// @throws as copy_blocks_staged.
+int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
+                           const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream);
 
 }  // namespace activekv

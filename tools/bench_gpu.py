@@ -1,0 +1,260 @@
+"""GPU benchmark (issue 6): transfers and decode attention on a CUDA device, each ceiling re-measured in the same run.
+
+    python -m tools.bench_gpu [--out DIR] [--quick]
+
+Prints markdown tables (docs/benchmarks.md, "GPU") and writes `gpu_bench.json` and `gpu_decode.png` (time per decode
+step against context length) under --out. Geometry: Llama-3-8B-like, 32 query heads, 8 KV heads, head size 128,
+bfloat16, block 16 tokens (64 KiB per block, all KV heads), one layer. Every time is wall-clock around a synchronized
+call, median of several repetitions after warm-up (the engine's per-step work is host-driven, so device events alone
+would hide its launch gaps).
+
+Sections:
+1. ceilings: one pinned host->device and device->host copy of 256 MiB; a device->device copy of 4 GiB (read + write);
+2. block batches: transfer.copy_blocks_staged of 256 MiB as blocks of 16 KiB .. 4 MiB (CPU gather into pinned
+   staging, one copy on a copy stream), against one plain pinned copy of the same bytes, and one `copy_` per block;
+3. streamed exact decode: the context lives in a pinned host tier and streams through a pool of 1/8 of it;
+   achieved host->device rate against the pinned bus ceiling of section 1;
+4. resident exact decode: host tier and pool on the device, against scaled_dot_product_attention (flash) on the
+   same KV in [B, H, T, D] layout; KV read rate of each;
+5. compressed decode (budget 2048 tokens) from a pinned host tier, against the same SDPA with the full context
+   resident.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+H, KVH, D, BS = 32, 8, 128, 16
+DT = torch.bfloat16
+BLOCK_BYTES = KVH * 2 * BS * D * 2  # 64 KiB
+
+
+def timed(fn, reps: int = 10, warmup: int = 2) -> float:
+    """Median seconds of fn() with a device synchronize on both sides."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    n = 256 << 20
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    h2d = n / timed(lambda: dev.copy_(host, non_blocking=True)) / 1e9
+    d2h = n / timed(lambda: host.copy_(dev, non_blocking=True)) / 1e9
+    big = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    big2 = torch.empty_like(big)
+    d2d = 2 * big.numel() / timed(lambda: big2.copy_(big), reps=5) / 1e9
+    del big, big2
+    return {"h2d_GBps": h2d, "d2h_GBps": d2h, "d2d_GBps": d2d}
+
+
+def block_batches(quick: bool) -> list[dict]:
+    import activekv._transfer as transfer
+
+    total = 256 << 20
+    stream = torch.cuda.Stream()
+    rows = []
+    for block in ([16 << 10, 64 << 10, 1 << 20, 4 << 20] if quick else
+                  [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]):
+        n = total // block
+        src = torch.randn(2 * n, block // 2).to(DT).pin_memory()  # a host tier twice the batch
+        dst = torch.empty(n, block // 2, dtype=DT, device="cuda")
+        ids = torch.randperm(2 * n)[:n].tolist()  # scattered blocks, as a page table gives them
+        slots = list(range(n))
+        staged = total / timed(lambda: transfer.copy_blocks_staged(src, dst, ids, slots, stream), reps=5) / 1e9
+        mapped = total / timed(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream), reps=5) / 1e9
+        flat = src[:n].contiguous().pin_memory()
+        plain = total / timed(lambda: dst.copy_(flat, non_blocking=True), reps=5) / 1e9
+        per_block = None
+        if block >= 64 << 10 or not quick:
+            def each():
+                for i, s in zip(ids, slots):
+                    dst[s].copy_(src[i], non_blocking=True)
+            per_block = total / timed(each, reps=2, warmup=1) / 1e9
+        rows.append({"block_KiB": block >> 10, "blocks": n, "staged_GBps": staged, "mapped_GBps": mapped,
+                     "plain_GBps": plain,
+                     "per_block_copy_GBps": per_block})
+    return rows
+
+
+def make_engine(pool_blocks: int, tile_blocks: int, mode: str = "exact", budget: int = 2048,
+                transfer: str = "mapped"):
+    import activekv._backend as backend
+
+    return backend.Engine(1, H, KVH, D, BS, DT, pool_blocks, tile_blocks, device=torch.device("cuda"), mode=mode,
+                          budget_tokens=budget, sink_blocks=1, recent_blocks=2, kernel="aten", transfer=transfer)
+
+
+def decode_plan(eng, batch: int, ctx: int):
+    nb = ctx // BS
+    table = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    return eng.build(qsl, torch.full((batch,), ctx, dtype=torch.int32), table, batch)
+
+
+def fill_host(batch: int, ctx: int, pinned: bool) -> torch.Tensor:
+    """A host tier in vLLM's per-layer view [num_blocks, KVH, BS, 2 * D], random bf16."""
+    nb = batch * ctx // BS
+    kv = torch.empty((nb, KVH, BS, 2 * D), dtype=DT, device="cpu" if pinned else "cuda")
+    if pinned:
+        kv = kv.pin_memory()
+        step = 1 << 12
+        for i in range(0, nb, step):  # fill in chunks on the device (fast) and copy down
+            kv[i:i + step].copy_(torch.randn(kv[i:i + step].shape, device="cuda").to(DT))
+    else:
+        kv.normal_()
+    return kv
+
+
+def sdpa_time(batch: int, ctx: int) -> float:
+    import torch.nn.functional as F
+
+    q = torch.randn(batch, H, 1, D, dtype=DT, device="cuda")
+    k = torch.randn(batch, KVH, ctx, D, dtype=DT, device="cuda")
+    v = torch.randn_like(k)
+    try:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            return timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps=20)
+    except RuntimeError as e:  # flash refused the shape: say so and time torch's own choice
+        print(f"(flash refused batch {batch} context {ctx}: {str(e).splitlines()[0]}; timing SDPA's default)")
+        return timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), reps=20)
+
+
+def exact_decode(batch: int, ctx: int, tiered: bool, pool_tokens: int, tile_blocks: int,
+                 transfer: str = "mapped") -> dict:
+    eng = make_engine(pool_tokens // BS, tile_blocks, transfer=transfer)
+    kv = fill_host(batch, ctx, pinned=tiered)
+    plan = decode_plan(eng, batch, ctx)
+    q = torch.randn(batch, H, D, dtype=DT, device="cuda")
+    out = torch.empty_like(q)
+    t = timed(lambda: eng.forward(0, plan, q, kv, out, D ** -0.5), reps=5, warmup=1)
+    snap = eng.snapshot()
+    kv_bytes = batch * ctx * KVH * 2 * D * 2
+    return {"batch": batch, "context": ctx, "transfer": transfer, "ms": t * 1e3, "kv_GBps": kv_bytes / t / 1e9,
+            "h2d_bytes_per_step": snap["bytes_h2d"] / max(1, snap["forward_calls"])}
+
+
+def compressed_decode(batch: int, ctx: int, budget: int, tile_blocks: int) -> dict:
+    per_row = KVH * (budget // BS - 3) + 3
+    eng = make_engine(max(per_row * batch, tile_blocks), tile_blocks, mode="compressed", budget=budget)
+    kv = torch.empty((batch * ctx // BS, KVH, BS, 2 * D), dtype=DT).pin_memory()
+    chunk = 1 << 14
+    for start in range(0, batch * ctx, chunk):  # KV updates: fill the host tier and the per-block key metadata
+        k = torch.randn(chunk, KVH, D, dtype=DT, device="cuda")
+        eng.update_kv(0, k, torch.randn_like(k), kv, torch.arange(start, start + chunk, device="cuda"))
+    plan = decode_plan(eng, batch, ctx)
+    qs = [torch.randn(batch, H, D, dtype=DT, device="cuda") for _ in range(4)]
+    out = torch.empty_like(qs[0])
+    it = iter(range(1 << 30))
+    t = timed(lambda: eng.forward(0, plan, qs[next(it) % 4], kv, out, D ** -0.5), reps=8, warmup=4)
+    snap = eng.snapshot()
+    steps = max(1, snap["forward_calls"])
+    return {"batch": batch, "context": ctx, "ms": t * 1e3, "union_blocks_per_row":
+            snap["union_blocks"] / max(1, snap["compressed_rows"]),
+            "admitted_per_step": snap["blocks_admitted"] / steps}
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in (("resident", "ActiveKV exact, resident"), ("streamed", "ActiveKV exact, streamed (pool 1/8)"),
+                       ("compressed", "ActiveKV compressed 2048, pinned host tier"), ("sdpa", "SDPA flash, resident")):
+        for batch, style in ((1, "-o"), (16, "--s")):
+            pts = sorted((r["context"], r["ms"]) for r in results[key]
+                         if r["batch"] == batch and r.get("transfer", "mapped") == "mapped")
+            if pts:
+                ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], style, label=f"{label}, batch {batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (k tokens)")
+    ax.set_ylabel("ms per decode step, one layer")
+    ax.set_title("H200, 32 q / 8 KV heads, d128, bf16")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("build/gpu"))
+    ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "date": time.strftime("%Y-%m-%d")}
+    res["ceilings"] = ceil = ceilings()
+    print(f"## ceilings ({res['device']}, torch {res['torch']})\n")
+    print("| pinned H2D GB/s | pinned D2H GB/s | D2D GB/s (read+write) |\n|---|---|---|")
+    print(f"| {ceil['h2d_GBps']:.1f} | {ceil['d2h_GBps']:.1f} | {ceil['d2d_GBps']:.0f} |\n", flush=True)
+
+    res["blocks"] = block_batches(args.quick)
+    print("## block batches, 256 MiB, host tier pinned -> device\n")
+    print("| block | blocks | copy_blocks_mapped GB/s | copy_blocks_staged GB/s | one plain copy GB/s | mapped / plain | "
+          "one copy_ per block GB/s |\n|---|---|---|---|---|---|---|")
+    for r in res["blocks"]:
+        pb = "-" if r["per_block_copy_GBps"] is None else f"{r['per_block_copy_GBps']:.2f}"
+        print(f"| {r['block_KiB']} KiB | {r['blocks']} | {r['mapped_GBps']:.1f} | {r['staged_GBps']:.1f} | "
+              f"{r['plain_GBps']:.1f} | {r['mapped_GBps'] / r['plain_GBps']:.2f} | {pb} |")
+    print(flush=True)
+
+    ctxs = [32768, 131072] if args.quick else [32768, 65536, 131072]
+    batches = (1, 16)
+    res["streamed"] = [exact_decode(b, 131072, True, 16384, 256, tr) for b in batches for tr in ("mapped", "staged")]
+    print("## streamed exact decode: 128k context in a pinned host tier, pool 16k tokens, tile 256 blocks\n")
+    print("| batch | transfer | ms/step | H2D GB/s achieved | / pinned H2D ceiling |\n|---|---|---|---|---|")
+    for r in res["streamed"]:
+        rate = r["h2d_bytes_per_step"] / (r["ms"] / 1e3) / 1e9
+        r["h2d_GBps"] = rate
+        print(f"| {r['batch']} | {r['transfer']} | {r['ms']:.2f} | {rate:.1f} | {rate / ceil['h2d_GBps']:.2f} |")
+    print(flush=True)
+
+    res["resident"], res["sdpa"] = [], []
+    for b in batches:
+        for c in ctxs:
+            res["resident"].append(exact_decode(b, c, False, b * c, 512))
+            t = sdpa_time(b, c)
+            res["sdpa"].append({"batch": b, "context": c, "ms": t * 1e3,
+                                "kv_GBps": b * c * KVH * 2 * D * 2 / t / 1e9})
+    print("## resident exact decode vs SDPA flash (KV read rate = K and V bytes / step time)\n")
+    print("| batch | context | ActiveKV ms | ActiveKV KV GB/s | SDPA ms | SDPA KV GB/s | ActiveKV / SDPA rate |\n"
+          "|---|---|---|---|---|---|---|")
+    for a, s in zip(res["resident"], res["sdpa"]):
+        print(f"| {a['batch']} | {a['context'] // 1024}k | {a['ms']:.2f} | {a['kv_GBps']:.0f} | {s['ms']:.3f} | "
+              f"{s['kv_GBps']:.0f} | {a['kv_GBps'] / s['kv_GBps']:.3f} |")
+    print(flush=True)
+
+    res["compressed"] = [compressed_decode(b, c, 2048, 64) for b in batches for c in ctxs]
+    print("## compressed decode (budget 2048), pinned host tier, vs SDPA flash with the full context resident\n")
+    print("| batch | context | compressed ms | union blocks/row | admitted blocks/step | SDPA ms | SDPA / compressed |"
+          "\n|---|---|---|---|---|---|---|")
+    sd = {(s["batch"], s["context"]): s["ms"] for s in res["sdpa"]}
+    for r in res["compressed"]:
+        s = sd[(r["batch"], r["context"])]
+        print(f"| {r['batch']} | {r['context'] // 1024}k | {r['ms']:.2f} | {r['union_blocks_per_row']:.0f} | "
+              f"{r['admitted_per_step']:.0f} | {s:.3f} | {s / r['ms']:.3f} |")
+    (args.out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
+    plot(res, args.out / "gpu_decode.png")
+    print(f"\nwrote {args.out / 'gpu_bench.json'} and {args.out / 'gpu_decode.png'}")
+
+
+if __name__ == "__main__":
+    main()
