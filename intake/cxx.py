@@ -695,3 +695,42 @@ def parse(main: str, args: list[str], root: str, flags_source: str) -> dict[str,
         {"main": main, "flags_source": flags_source, "errors": errors, "deps": sorted(walker.deps | {main})}
     )
     return facts
+
+
+# Identifiers of Python's C API and of pybind11: what engine code would have to name to touch Python.
+_PYTHON_NAME = re.compile(r"^(Py[A-Z_]\w*|_Py\w+|pybind11|PYBIND11_\w+)$")
+
+
+def lex_screen(main: str) -> list[dict[str, Any]]:
+    """Sites in ``main`` that would bring Python in, from libclang's lexer alone (no semantic parse): ``#include`` of
+    a forbidden header (forbidden_header) and identifiers of Python's C API or pybind11. Comments and string
+    literals are tokens of their own kinds and never count. For CUDA sources on a machine without a CUDA toolkit,
+    where nothing can parse them (intake/native.py says when it is used). Each site: line, col, what, kind."""
+    size = Path(main).stat().st_size
+    tu = ci.Index.create().parse(main, args=["-x", "c++", "-std=c++17", "-nostdinc", "-nostdinc++"],
+                                 options=ci.TranslationUnit.PARSE_DETAILED_PROCESSING_RECORD)
+    f = tu.get_file(main)
+    extent = ci.SourceRange.from_locations(ci.SourceLocation.from_offset(tu, f, 0),
+                                           ci.SourceLocation.from_offset(tu, f, size))
+    tokens = list(tu.get_tokens(extent=extent))
+    sites: list[dict[str, Any]] = []
+    i = 0
+    while i < len(tokens):
+        t = tokens[i]
+        if t.spelling == "#" and i + 1 < len(tokens) and tokens[i + 1].spelling == "include":
+            line = t.location.line
+            j = i + 2
+            name = ""
+            while j < len(tokens) and tokens[j].location.line == line:
+                name += tokens[j].spelling
+                j += 1
+            name = name.strip('<>"')
+            if forbidden_header(name):
+                sites.append({"line": line, "col": t.location.column, "what": name, "kind": "include"})
+            i = j
+            continue
+        if t.kind == ci.TokenKind.IDENTIFIER and _PYTHON_NAME.match(t.spelling):
+            sites.append({"line": t.location.line, "col": t.location.column, "what": t.spelling,
+                          "kind": "identifier"})
+        i += 1
+    return sites

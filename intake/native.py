@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from intake.cache import Cache
-from intake.cxx import forbidden_header, parse
+from intake.cxx import forbidden_header, lex_screen, parse
 from intake.findings import Finding
 from intake.flags import CompileDatabase, Flags
 
@@ -113,6 +113,9 @@ def judge(root: Path, program: Program) -> tuple[list[Finding], set[str]]:
     for unit in program.units:
         main_rel = _rel(root, unit["main"])
         analysed.add(main_rel)
+        if _cuda_without_toolkit(main_rel, unit):
+            findings += _lexical_findings(root, main_rel)
+            continue
         findings += _parse_errors(main_rel, unit)
         for rel, facts in unit["files"].items():
             analysed.add(rel)
@@ -171,6 +174,34 @@ def _how(site: dict[str, Any]) -> str:
     if macro:
         how += f" (through the macro {re.split(r'[^A-Za-z0-9_]', macro, maxsplit=1)[0]})"
     return how
+
+
+def _cuda_without_toolkit(main_rel: str, unit: dict[str, Any]) -> bool:
+    """An engine CUDA source with no compile_commands.json entry of its own: the build had no CUDA compiler (CMake
+    builds engine/src/cuda/ only when torch has CUDA and nvcc is found), so nothing here can parse it as CUDA. It
+    gets the lexical screen instead of a parse-error. That screen is enough for the engine's rules: code that neither
+    includes a Python or pybind11 header nor names Python's C API cannot import or call Python. On a CUDA machine the
+    build writes the entry and the file is parsed like any other."""
+    return (main_rel.startswith("engine/") and main_rel.endswith(".cu")
+            and not unit["flags_source"].startswith(f"entry of {main_rel}"))
+
+
+def _lexical_findings(root: Path, main_rel: str) -> list[Finding]:
+    out = []
+    for site in lex_screen(str(root / main_rel)):
+        what = (f"`#include <{site['what']}>`" if site["kind"] == "include"
+                else f"`{site['what']}` (Python's C API or pybind11)")
+        out.append(
+            Finding(
+                "python-in-engine",
+                main_rel,
+                site["line"],
+                site["col"],
+                f"{what} in engine/ (CUDA source, screened lexically: no CUDA toolkit here): the engine is C++ and "
+                "CUDA on ATen only; move the Python-facing code into bindings/",
+            )
+        )
+    return out
 
 
 def _parse_errors(main_rel: str, unit: dict[str, Any]) -> list[Finding]:

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 CORPUS = REPO / "tests" / "intake_corpus"
 MARKER = re.compile(r"//\s*expect:\s*([a-z\-]+(?:\s*,\s*[a-z\-]+)*)\s*$")
 CASES = sorted(
-    p.relative_to(CORPUS).as_posix() for p in CORPUS.rglob("*") if p.suffix in (".cpp", ".h") and p.is_file()
+    p.relative_to(CORPUS).as_posix() for p in CORPUS.rglob("*") if p.suffix in (".cpp", ".h", ".cu") and p.is_file()
 )
 
 
@@ -106,7 +106,8 @@ def test_corpus_has_every_rule_and_accepted_files() -> None:
     rules = {rule for rel in CASES for rule, _ in expected(rel)}
     assert rules == {"python-in-engine", "python-import-from-cpp", "per-step-python-callback", "parse-error"}
     accepted = [rel for rel in CASES if not expected(rel)]
-    assert {"bindings/modules/gil_release.cpp", "engine/src/clean.cpp", "engine/src/transitive.cpp"} <= set(accepted)
+    assert {"bindings/modules/gil_release.cpp", "engine/src/clean.cpp", "engine/src/transitive.cpp",
+            "engine/src/cuda/clean_kernel.cu"} <= set(accepted)
 
 
 def test_json_report_shape(scan: dict) -> None:
