@@ -74,11 +74,12 @@ quality: build patch-vllm ## train the byte-level Llama if needed (tools/train_t
 GPU_PY ?= python3
 GPU_OUT ?= build/gpu
 # The device image exports CC/CXX=/opt/gcc/bin/gcc,g++, whose libstdc++ ends up inside libactivekv_engine.so beside the
-# system one torch uses: formatting any error message then crashes. Build with the system compiler torch matches.
+# system one torch uses: formatting any error message then crashes. Build with the system compiler torch matches, for
+# nvcc's host code too (CUDAHOSTCXX).
 GPU_CC ?= /usr/bin/gcc
 GPU_CXX ?= /usr/bin/g++
 gpu-check: ## CUDA machine only (the device tool's H200): build with its python3's torch, run tests/test_gpu.py, then tools/bench_gpu.py
-	CC=$(GPU_CC) CXX=$(GPU_CXX) $(GPU_PY) -m pip install -q --no-build-isolation --no-deps \
+	CC=$(GPU_CC) CXX=$(GPU_CXX) CUDAHOSTCXX=$(GPU_CXX) $(GPU_PY) -m pip install -q --no-build-isolation --no-deps \
 		--config-settings=build-dir=build/gpu-{wheel_tag} .
 	cd /tmp && $(GPU_PY) -c "import torch, activekv._backend as b; assert torch.cuda.is_available(); print('activekv', b.__version__, 'on', torch.cuda.get_device_name(), 'torch', torch.__version__)"
 	$(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py

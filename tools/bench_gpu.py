@@ -92,11 +92,11 @@ def block_batches(quick: bool) -> list[dict]:
 
 
 def make_engine(pool_blocks: int, tile_blocks: int, mode: str = "exact", budget: int = 2048,
-                transfer: str = "mapped"):
+                transfer: str = "mapped", kernel: str = "native"):
     import activekv._backend as backend
 
     return backend.Engine(1, H, KVH, D, BS, DT, pool_blocks, tile_blocks, device=torch.device("cuda"), mode=mode,
-                          budget_tokens=budget, sink_blocks=1, recent_blocks=2, kernel="aten", transfer=transfer)
+                          budget_tokens=budget, sink_blocks=1, recent_blocks=2, kernel=kernel, transfer=transfer)
 
 
 def decode_plan(eng, batch: int, ctx: int):
@@ -135,8 +135,8 @@ def sdpa_time(batch: int, ctx: int) -> float:
 
 
 def exact_decode(batch: int, ctx: int, tiered: bool, pool_tokens: int, tile_blocks: int,
-                 transfer: str = "mapped") -> dict:
-    eng = make_engine(pool_tokens // BS, tile_blocks, transfer=transfer)
+                 transfer: str = "mapped", kernel: str = "native") -> dict:
+    eng = make_engine(pool_tokens // BS, tile_blocks, transfer=transfer, kernel=kernel)
     kv = fill_host(batch, ctx, pinned=tiered)
     plan = decode_plan(eng, batch, ctx)
     q = torch.randn(batch, H, D, dtype=DT, device="cuda")
@@ -144,13 +144,14 @@ def exact_decode(batch: int, ctx: int, tiered: bool, pool_tokens: int, tile_bloc
     t = timed(lambda: eng.forward(0, plan, q, kv, out, D ** -0.5), reps=5, warmup=1)
     snap = eng.snapshot()
     kv_bytes = batch * ctx * KVH * 2 * D * 2
-    return {"batch": batch, "context": ctx, "transfer": transfer, "ms": t * 1e3, "kv_GBps": kv_bytes / t / 1e9,
+    return {"batch": batch, "context": ctx, "transfer": transfer, "kernel": kernel, "ms": t * 1e3,
+            "kv_GBps": kv_bytes / t / 1e9,
             "h2d_bytes_per_step": snap["bytes_h2d"] / max(1, snap["forward_calls"])}
 
 
-def compressed_decode(batch: int, ctx: int, budget: int, tile_blocks: int) -> dict:
+def compressed_decode(batch: int, ctx: int, budget: int, tile_blocks: int, kernel: str = "native") -> dict:
     per_row = KVH * (budget // BS - 3) + 3
-    eng = make_engine(max(per_row * batch, tile_blocks), tile_blocks, mode="compressed", budget=budget)
+    eng = make_engine(max(per_row * batch, tile_blocks), tile_blocks, mode="compressed", budget=budget, kernel=kernel)
     kv = torch.empty((batch * ctx // BS, KVH, BS, 2 * D), dtype=DT).pin_memory()
     chunk = 1 << 14
     for start in range(0, batch * ctx, chunk):  # KV updates: fill the host tier and the per-block key metadata
@@ -163,7 +164,7 @@ def compressed_decode(batch: int, ctx: int, budget: int, tile_blocks: int) -> di
     t = timed(lambda: eng.forward(0, plan, qs[next(it) % 4], kv, out, D ** -0.5), reps=8, warmup=4)
     snap = eng.snapshot()
     steps = max(1, snap["forward_calls"])
-    return {"batch": batch, "context": ctx, "ms": t * 1e3, "union_blocks_per_row":
+    return {"batch": batch, "context": ctx, "kernel": kernel, "ms": t * 1e3, "union_blocks_per_row":
             snap["union_blocks"] / max(1, snap["compressed_rows"]),
             "admitted_per_step": snap["blocks_admitted"] / steps}
 
@@ -175,11 +176,14 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (("resident", "ActiveKV exact, resident"), ("streamed", "ActiveKV exact, streamed (pool 1/8)"),
+    for key, label in (("resident", "ActiveKV exact, resident, CUDA kernel"),
+                       ("resident_aten", "ActiveKV exact, resident, ATen path"),
+                       ("streamed", "ActiveKV exact, streamed (pool 1/8)"),
                        ("compressed", "ActiveKV compressed 2048, pinned host tier"), ("sdpa", "SDPA flash, resident")):
         for batch, style in ((1, "-o"), (16, "--s")):
             pts = sorted((r["context"], r["ms"]) for r in results[key]
-                         if r["batch"] == batch and r.get("transfer", "mapped") == "mapped")
+                         if r["batch"] == batch and r.get("transfer", "mapped") == "mapped"
+                         and r.get("kernel", "native") == "native")
             if pts:
                 ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], style, label=f"{label}, batch {batch}")
     ax.set_xscale("log", base=2)
@@ -218,28 +222,31 @@ def main() -> None:
 
     ctxs = [32768, 131072] if args.quick else [32768, 65536, 131072]
     batches = (1, 16)
-    res["streamed"] = [exact_decode(b, 131072, True, 16384, 256, tr) for b in batches for tr in ("mapped", "staged")]
+    res["streamed"] = [exact_decode(b, 131072, True, 16384, 256, tr, kn) for b in batches
+                       for tr, kn in (("mapped", "native"), ("mapped", "aten"), ("staged", "native"))]
     print("## streamed exact decode: 128k context in a pinned host tier, pool 16k tokens, tile 256 blocks\n")
-    print("| batch | transfer | ms/step | H2D GB/s achieved | / pinned H2D ceiling |\n|---|---|---|---|---|")
+    print("| batch | transfer | kernel | ms/step | H2D GB/s achieved | / pinned H2D ceiling |\n|---|---|---|---|---|---|")
     for r in res["streamed"]:
         rate = r["h2d_bytes_per_step"] / (r["ms"] / 1e3) / 1e9
         r["h2d_GBps"] = rate
-        print(f"| {r['batch']} | {r['transfer']} | {r['ms']:.2f} | {rate:.1f} | {rate / ceil['h2d_GBps']:.2f} |")
+        print(f"| {r['batch']} | {r['transfer']} | {r['kernel']} | {r['ms']:.2f} | {rate:.1f} | "
+              f"{rate / ceil['h2d_GBps']:.2f} |")
     print(flush=True)
 
-    res["resident"], res["sdpa"] = [], []
+    res["resident"], res["resident_aten"], res["sdpa"] = [], [], []
     for b in batches:
         for c in ctxs:
             res["resident"].append(exact_decode(b, c, False, b * c, 512))
+            res["resident_aten"].append(exact_decode(b, c, False, b * c, 512, kernel="aten"))
             t = sdpa_time(b, c)
             res["sdpa"].append({"batch": b, "context": c, "ms": t * 1e3,
                                 "kv_GBps": b * c * KVH * 2 * D * 2 / t / 1e9})
     print("## resident exact decode vs SDPA flash (KV read rate = K and V bytes / step time)\n")
-    print("| batch | context | ActiveKV ms | ActiveKV KV GB/s | SDPA ms | SDPA KV GB/s | ActiveKV / SDPA rate |\n"
-          "|---|---|---|---|---|---|---|")
-    for a, s in zip(res["resident"], res["sdpa"]):
-        print(f"| {a['batch']} | {a['context'] // 1024}k | {a['ms']:.2f} | {a['kv_GBps']:.0f} | {s['ms']:.3f} | "
-              f"{s['kv_GBps']:.0f} | {a['kv_GBps'] / s['kv_GBps']:.3f} |")
+    print("| batch | context | CUDA kernel ms | its KV GB/s | ATen path ms | SDPA ms | SDPA KV GB/s | kernel / SDPA rate |"
+          "\n|---|---|---|---|---|---|---|---|")
+    for a, t, s in zip(res["resident"], res["resident_aten"], res["sdpa"]):
+        print(f"| {a['batch']} | {a['context'] // 1024}k | {a['ms']:.3f} | {a['kv_GBps']:.0f} | {t['ms']:.2f} | "
+              f"{s['ms']:.3f} | {s['kv_GBps']:.0f} | {a['kv_GBps'] / s['kv_GBps']:.3f} |")
     print(flush=True)
 
     res["compressed"] = [compressed_decode(b, c, 2048, 64) for b in batches for c in ctxs]

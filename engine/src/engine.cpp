@@ -1,5 +1,6 @@
 #include <activekv/check.h>
 #include <activekv/cpu_kernel.h>
+#include <activekv/cuda_kernel.h>
 #include <activekv/engine.h>
 
 #include <ATen/Parallel.h>
@@ -240,7 +241,7 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
     const int64_t nb = g.blocks_for(seq);
     auto q = query.narrow(0, q0, lq);
     auto qg = group_query(q, g.num_kv_heads);
-    if (use_native()) qg = qg.contiguous();  // the kernel reads rows by pointer
+    if (use_native() || use_cuda_kernel(qg.size(1))) qg = qg.contiguous();  // the kernels read rows by pointer
     auto st = online_softmax_init(g.num_kv_heads, qg.size(1), d, device_);
     if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
       attend_selected(L, host, bt + r * width, nb, seq, r, q, qg, st, scale);
@@ -286,7 +287,7 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
     TilePins pins{L, adm.slots};
     admit_and_copy(L, host, adm);
     const int64_t n = static_cast<int64_t>(blocks.size());
-    if (use_native()) {
+    if (use_native() || use_cuda_kernel(qg.size(1))) {
       const int64_t kvh = geometry().num_kv_heads;
       std::vector<int64_t> slots(kvh * n), pos(kvh * n);
       for (int64_t hh = 0; hh < kvh; ++hh) {
@@ -295,7 +296,7 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
           pos[hh * n + j] = static_cast<int64_t>(ti) * tb + j;
         }
       }
-      native_tile(L, slots.data(), pos.data(), n, seq - lq, lq, qg, st, scale);
+      kernel_tile(L, slots, pos, n, seq - lq, lq, qg, st, scale);
     } else {
       auto tile = gather_tile(L.pool, index_tensor(adm.slots, device_));  // [KVH, 2, n, bs, D]
       auto mask = tile_mask(seq - lq, lq, static_cast<int64_t>(ti) * tb * bs, n * bs, device_);
@@ -331,7 +332,7 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
       head_slots[hh * m + j] = adm.slots[u];
     }
   }
-  if (use_native()) {
+  if (use_native() || use_cuda_kernel(qg.size(1))) {
     // Tiles of tile_blocks per head, as the ATen path below (same tile count in telemetry).
     for (int64_t t = 0; t < m; t += tb) {
       const int64_t n = std::min(tb, m - t);
@@ -342,7 +343,7 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
           tpos[hh * n + j] = pp[hh * m + t + j];
         }
       }
-      native_tile(L, slots.data(), tpos.data(), n, seq - 1, 1, qg, st, scale);
+      kernel_tile(L, slots, tpos, n, seq - 1, 1, qg, st, scale);
       telemetry_.add(Counter::kTilesComputed);
     }
   } else {
@@ -374,6 +375,32 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
 }  // namespace activekv
 
 namespace activekv {
+
+bool Engine::use_cuda_kernel(int64_t rows) const {
+  return config_.kernel == Kernel::kNative && device_.is_cuda() && cuda_attend() != nullptr &&
+         cuda_kernel_supports(geometry().head_size, rows);
+}
+
+void Engine::kernel_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,
+                         int64_t first_query_pos, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
+  if (use_native()) {
+    native_tile(L, slots.data(), pos.data(), n, first_query_pos, lq, qg, st, scale);
+    return;
+  }
+  CudaAttendArgs a;
+  a.pool = L.pool;
+  a.slots = index_tensor(slots, device_);
+  a.pos = index_tensor(pos, device_);
+  a.n = n;
+  a.first_query_pos = first_query_pos;
+  a.num_q = lq;
+  a.q = qg;
+  a.m = st.m;
+  a.l = st.l;
+  a.acc = st.acc;
+  a.scale = scale;
+  cuda_attend()(a);
+}
 
 void Engine::native_tile(LayerState& L, const int64_t* slots, const int64_t* pos, int64_t n, int64_t first_query_pos,
                          int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {

@@ -21,7 +21,8 @@ namespace activekv {
 /// Which attention kernel computes each tile.
 enum class Kernel : int {
   kAten = 0,    ///< the ATen tile path: the bit-exact path the Python reference mirrors
-  kNative = 1,  ///< the fast CPU kernel (cpu_kernel.h): reads pool blocks in place; held to docs/parity.md
+  kNative = 1,  ///< the fast kernel of the device (cpu_kernel.h on CPU, cuda_kernel.h on CUDA where built and the
+                ///< shape is supported, else the ATen path): reads pool blocks in place; held to docs/parity.md
 };
 
 /// Kernel from its option spelling ("native" or "aten"). @throws c10::ValueError naming the valid kernels.
@@ -42,7 +43,7 @@ struct EngineConfig {
   Geometry geometry;
   int64_t pool_blocks = 0;  ///< active-pool slots per layer, >= geometry.tile_blocks
   Mode mode = Mode::kExact;
-  Kernel kernel = Kernel::kNative;  ///< kNative on CPU (falls back to kAten on other devices)
+  Kernel kernel = Kernel::kNative;  ///< kNative: the device's fast kernel (see Kernel)
   Transfer transfer = Transfer::kMapped;  ///< tiered engines only
   // Compressed mode only (see admission.h).
   int64_t budget_tokens = 2048;  ///< tokens a selecting decode row attends per KV head
@@ -127,7 +128,12 @@ class Engine {
   /// position pos[h * n + j].
   void native_tile(LayerState& L, const int64_t* slots, const int64_t* pos, int64_t n, int64_t first_query_pos,
                    int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
+  /// The fast kernel of the engine's device for a tile: the CPU kernel, or the CUDA kernel (cuda_kernel.h).
+  void kernel_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,
+                   int64_t first_query_pos, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
   bool use_native() const { return config_.kernel == Kernel::kNative && device_.is_cpu(); }
+  /// kNative on CUDA: the CUDA kernel when it is built and supports the head size and rows (G * query tokens).
+  bool use_cuda_kernel(int64_t rows) const;
 
   EngineConfig config_;
   at::Device device_;

@@ -1,0 +1,16 @@
+// The CUDA kernel registry: compiled in every build, so the engine links with or without CUDA (cuda_kernel.h).
+#include <activekv/cuda_kernel.h>
+
+namespace activekv {
+
+namespace {
+CudaAttendFn& slot() {
+  static CudaAttendFn fn = nullptr;
+  return fn;
+}
+}  // namespace
+
+CudaAttendFn cuda_attend() { return slot(); }
+void register_cuda_attend(CudaAttendFn fn) { slot() = fn; }
+
+}  // namespace activekv
