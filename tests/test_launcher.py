@@ -3,7 +3,8 @@
 The launcher under test is the one `make build` installs into the venv's bin/ (next to the venv's python, the same
 place a wheel puts it). `patch` runs on copies of the vLLM 0.32.0 reference tree (tests/vllm_tree.py): as an installed
 package directory (git apply) and as a git checkout (git am), and is compared byte for byte with the dev-side
-`tools.vllm_patch`. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py.
+`tools.vllm_patch`. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py; `serve` and `run-batch`
+against vLLM's own CLI (exit codes, signals, a batch run) in tests/test_launcher_vllm.py.
 """
 
 from __future__ import annotations
