@@ -1,8 +1,10 @@
 """Shared pytest configuration: the `vllm` marker, and the repository root on sys.path so `tools.*` imports work
-under a bare `pytest` as well as `python -m pytest`. Fixtures live next to the tests that use them."""
+under a bare `pytest` as well as `python -m pytest`. Fixtures live next to the tests that use them; the one used by
+several files (`model_dir`, the tiny model with its tokenizer) lives here."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,3 +26,16 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     CPU worker pins the intra-op thread pool (seen here: `torch.set_num_threads(1)` afterwards still reports 2
     threads), which the parity suites need at one thread. Stable order otherwise."""
     items.sort(key=lambda item: item.get_closest_marker("vllm") is not None)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (tools/make_tiny_model.py) with a real tokenizer (tools/make_tokenizer.py), so text prompts
+    work; a copy, so the tests never write into build/tiny-llama."""
+    from tools.make_tiny_model import make_tiny_model
+    from tools.make_tokenizer import make_tokenizer
+
+    dest = tmp_path_factory.mktemp("models") / "tiny-llama"
+    shutil.copytree(make_tiny_model(REPO_ROOT / "build" / "tiny-llama"), dest)
+    make_tokenizer(dest)
+    return dest

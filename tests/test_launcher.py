@@ -3,11 +3,13 @@
 The launcher under test is the one `make build` installs into the venv's bin/ (next to the venv's python, the same
 place a wheel puts it). `patch` runs on copies of the vLLM 0.32.0 reference tree (tests/vllm_tree.py): as an installed
 package directory (git apply) and as a git checkout (git am), and is compared byte for byte with the dev-side
-`tools.vllm_patch`. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py.
+`tools.vllm_patch`. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py; `serve` and `run-batch`
+against vLLM's own CLI (exit codes, signals, a batch run) in tests/test_launcher_vllm.py.
 """
 
 from __future__ import annotations
 
+import ctypes.util
 import hashlib
 import json
 import os
@@ -227,3 +229,80 @@ def test_a_conflicting_checkout_is_refused_and_left_as_it_was(checkout: Path) ->
     assert git(checkout, "rev-parse", "HEAD") == head
     assert git(checkout, "status", "--porcelain") == ""
     assert not (checkout / ".git" / "rebase-apply").exists()
+
+
+# ------------------------------------------------------------------------------------------- libpython not found
+
+
+PY_MINOR = f"{sys.version_info.major}.{sys.version_info.minor}"
+SONAME = f"libpython{PY_MINOR}.so.1.0"
+
+
+def fake_venv(root: Path, home: Path, version: str) -> Path:
+    """A venv layout around a copy of the launcher: bin/python -> this interpreter, pyvenv.cfg naming ``home`` (a
+    base interpreter's bin/ whose ../lib holds no libpython). Returns the launcher's path."""
+    real_python = Path(sys.executable).resolve()
+    for bin_dir in (home, root / "bin"):
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        (bin_dir / f"python{PY_MINOR}").symlink_to(real_python)
+    (root / "pyvenv.cfg").write_text(f"home = {home}\ninclude-system-site-packages = false\nversion = {version}\n")
+    shutil.copy2(LAUNCHER, root / "bin" / "activekv")
+    return root / "bin" / "activekv"
+
+
+def loader_libpython_version() -> str | None:
+    """The CPython version of the libpython the dynamic loader finds by soname (None: it finds none), read in a
+    process that has no libpython loaded yet under that name (this venv's python has one: `ldconfig -p` names the
+    file, which is then opened by path)."""
+    listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    paths = [line.split("=>")[-1].strip() for line in listing.splitlines() if line.strip().startswith(SONAME + " ")]
+    if not paths:
+        return None
+    probe = "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).Py_GetVersion; f.restype = ctypes.c_char_p; " \
+            "print(f().decode().split()[0])"
+    return subprocess.run([sys.executable, "-c", probe, paths[0]], capture_output=True, text=True, check=True
+                          ).stdout.strip()
+
+
+def assert_clean_error(done: subprocess.CompletedProcess[str], *parts: str) -> None:
+    """Exit status 1 (not a signal: no crash), no traceback, every part in stderr, and the advice line."""
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr
+    for part in parts:
+        assert part in done.stderr, done.stderr
+    assert "must be built with a shared libpython" in done.stderr
+    assert f"set ACTIVEKV_LIBPYTHON to the environment's {SONAME}" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "run-batch"])
+def test_activekv_libpython_naming_a_missing_file_is_a_clear_error(command: str, tmp_path: Path) -> None:
+    missing = tmp_path / SONAME
+    done = akv(command, "--help", env={"ACTIVEKV_LIBPYTHON": str(missing)})
+    assert_clean_error(done, "activekv: error: cannot load the environment's libpython: ",
+                       f"ACTIVEKV_LIBPYTHON names {missing}.")
+
+
+def test_activekv_libpython_naming_another_library_is_a_clear_error() -> None:
+    libc = ctypes.util.find_library("c")  # "libc.so.6": loads, but is no libpython
+    assert libc
+    done = akv("serve", "--help", env={"ACTIVEKV_LIBPYTHON": libc})
+    assert_clean_error(done, f"activekv: error: {libc} is not a libpython (no Py_GetVersion)",
+                       f"ACTIVEKV_LIBPYTHON names {libc}.")
+
+
+def test_a_venv_whose_base_interpreter_has_no_libpython_is_a_clear_error(tmp_path: Path) -> None:
+    """A venv made from a CPython built without --enable-shared: pyvenv.cfg's home has no lib/libpython. The loader's
+    search may still find a libpython of that minor version (Debian's, here 3.11.2), but another build's C core
+    under the environment's standard library is refused: the launcher says what it found and what to do."""
+    version = sys.version.split()[0]
+    found = loader_libpython_version()
+    if found == version:
+        pytest.skip(f"the loader's {SONAME} is this interpreter's build ({version}): the launcher would rightly use it")
+    launcher = fake_venv(tmp_path / "venv", tmp_path / "base" / "bin", version)
+    env = {k: v for k, v in os.environ.items() if k != "ACTIVEKV_LIBPYTHON"}
+    done = subprocess.run([str(launcher), "serve", "--help"], capture_output=True, text=True, timeout=60, env=env)
+    where = f"No {SONAME} in {tmp_path / 'base' / 'lib'} (the base interpreter of the venv's pyvenv.cfg)"
+    if found is None:
+        assert_clean_error(done, "activekv: error: cannot load the environment's libpython: ", where)
+    else:
+        assert_clean_error(done, f"is CPython {found}; the environment's interpreter is CPython {version}", where)

@@ -13,9 +13,7 @@ as Python does (surrogateescape), so the same bytes reach the file system. The m
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,8 +28,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests import vllm_tree  # noqa: E402
-from tools.make_tiny_model import SPEC, make_tiny_model  # noqa: E402
-from tools.make_tokenizer import make_tokenizer  # noqa: E402
+from tests.serving import free_port, vllm_env  # noqa: E402
+from tools.make_tiny_model import SPEC  # noqa: E402
 from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine, make_prompts  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -73,15 +71,6 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with a real tokenizer (tools/make_tokenizer.py), so text prompts work."""
-    dest = tmp_path_factory.mktemp("models") / "tiny-llama"
-    shutil.copytree(make_tiny_model(REPO / "build" / "tiny-llama"), dest)
-    make_tokenizer(dest)
-    return dest
-
-
-@pytest.fixture(scope="module")
 def chat_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A chat template file under a name that is not valid UTF-8. (Not the model directory: `tokenizers` and
     `safetensors` open files through Rust `&str` paths, which cannot hold such a name, under plain `vllm serve` too;
@@ -89,12 +78,6 @@ def chat_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("templates") / NON_UTF8_NAME
     path.write_text(TEMPLATE)
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +88,7 @@ def server(
     assert patched.returncode == 0, patched.stderr
     port = free_port()
     log = tmp_path_factory.mktemp("log") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # spawn the engine core
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = vllm_env()  # the engine core is spawned
     cmd = [str(fresh_venv / "bin/activekv"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--block-size", "16",
            "--served-model-name", "tiny", "--chat-template", str(chat_template)]

@@ -94,6 +94,35 @@ std::string vllm_metadata_shim(const Environment& env) {
   return !env.package_dir.empty() && is_dir(join(shim, record)) ? shim : std::string();
 }
 
+/// Where the launcher looked for libpython and what to do about it: the second half of every libpython error.
+std::string libpython_help(const Environment& env) {
+  const std::string ver = ACTIVEKV_PYTHON_VERSION;
+  const std::string soname = "libpython" + ver + ".so.1.0";
+  std::string where;
+  if (env.libpython_source == "ACTIVEKV_LIBPYTHON") {
+    where = "ACTIVEKV_LIBPYTHON names " + env.libpython + ".";
+  } else if (env.libpython_source == "loader") {
+    where = "No " + soname + " in " + join(env.base_prefix, "lib") +
+            (env.venv ? " (the base interpreter of the venv's pyvenv.cfg)" : "") +
+            (env.prefix != env.base_prefix ? " or " + join(env.prefix, "lib") : std::string()) +
+            "; the loader's search path was tried instead.";
+  } else {
+    where = "Found " + env.libpython + ".";
+  }
+  return "activekv: " + where + " activekv embeds the environment's CPython " + ver +
+         ", which must be built with a shared libpython (Debian: apt-get install libpython" + ver +
+         "; pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared); or set ACTIVEKV_LIBPYTHON to the environment's " + soname +
+         "\n";
+}
+
+/// The file a dlopen() handle came from (a soname resolves to a path through the loader's search).
+std::string loaded_path(void* lib, const std::string& fallback) {
+  Dl_info info{};
+  void* sym = ::dlsym(lib, "Py_GetVersion");
+  if (sym != nullptr && ::dladdr(sym, &info) != 0 && info.dli_fname != nullptr) return info.dli_fname;
+  return fallback;
+}
+
 }  // namespace
 
 int vllm_main(const std::string& subcommand, const std::vector<const char*>& args, const Environment& env) {
@@ -101,19 +130,37 @@ int vllm_main(const std::string& subcommand, const std::vector<const char*>& arg
     std::fprintf(stderr, "activekv: error: no python interpreter next to this launcher in %s\n", env.bin_dir.c_str());
     return 1;
   }
+  const std::string how = libpython_help(env);
   void* lib = ::dlopen(env.libpython.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (lib == nullptr) {
-    std::fprintf(stderr,
-                 "activekv: error: cannot load the environment's libpython (%s): %s\n"
-                 "activekv needs a CPython %s built with --enable-shared; set ACTIVEKV_LIBPYTHON to its "
-                 "libpython%s.so.1.0\n",
-                 env.libpython.c_str(), ::dlerror(), ACTIVEKV_PYTHON_VERSION, ACTIVEKV_PYTHON_VERSION);
+    const char* why = ::dlerror();
+    std::fprintf(stderr, "activekv: error: cannot load the environment's libpython: %s\n%s", why, how.c_str());
+    return 1;
+  }
+  const std::string loaded = loaded_path(lib, env.libpython);
+  const auto get_version = reinterpret_cast<decltype(&Py_GetVersion)>(::dlsym(lib, "Py_GetVersion"));
+  if (get_version == nullptr) {
+    std::fprintf(stderr, "activekv: error: %s is not a libpython (no Py_GetVersion)\n%s", loaded.c_str(), how.c_str());
+    return 1;
+  }
+  // "3.11.7 (main, ...)": the C core the launcher would run. Its minor version must be the one the launcher was
+  // built for (another one crashes, not errs); found by the loader's search rather than next to the environment's
+  // interpreter, it must also be that interpreter's build (pyvenv.cfg's version): another build's C core under this
+  // interpreter's standard library is a mix `python` itself never runs.
+  const std::string full = get_version();
+  const std::string loaded_version = full.substr(0, full.find(' '));
+  const std::string minor = ACTIVEKV_PYTHON_VERSION;
+  const bool same_minor = loaded_version.compare(0, minor.size() + 1, minor + ".") == 0;
+  const bool same_build = env.libpython_source != "loader" || env.version.empty() || loaded_version == env.version;
+  if (!same_minor || !same_build) {
+    std::fprintf(stderr, "activekv: error: %s is CPython %s; the environment's interpreter is CPython %s\n%s",
+                 loaded.c_str(), loaded_version.c_str(), (same_minor ? env.version : minor).c_str(), how.c_str());
     return 1;
   }
   PythonApi api;
   std::string missing;
   if (!api.load(lib, missing)) {
-    std::fprintf(stderr, "activekv: error: %s lacks %s\n", env.libpython.c_str(), missing.c_str());
+    std::fprintf(stderr, "activekv: error: %s lacks %s\n", loaded.c_str(), missing.c_str());
     return 1;
   }
 

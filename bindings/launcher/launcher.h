@@ -17,6 +17,8 @@ struct Environment {
   bool venv = false;          // a pyvenv.cfg was found
   std::string python;         // the environment's interpreter: becomes sys.executable (multiprocessing spawns it)
   std::string libpython;      // the shared libpython to dlopen (a path, or a soname for the loader's search)
+  std::string libpython_source;  // where libpython came from: "ACTIVEKV_LIBPYTHON", a lib/ directory, or "loader"
+  std::string version;        // pyvenv.cfg's `version` (the base interpreter's full version, e.g. 3.11.7), or ""
   std::vector<std::string> site_packages;  // existing site-/dist-packages directories of the environment
   std::string package_dir;    // <site-packages>/activekv, where the payload's data lives ("" when not found)
 };

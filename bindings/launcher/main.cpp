@@ -61,15 +61,16 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b + 1);
 }
 
-/// `home = /path/to/base/bin` of a pyvenv.cfg ("" when absent). Same key CPython's getpath reads.
-std::string pyvenv_home(const std::string& cfg) {
+/// The value of `key = value` in a pyvenv.cfg ("" when absent): `home` (the base interpreter's bin/, the key
+/// CPython's getpath reads) or `version` (the base interpreter's full version, which `python -m venv` writes).
+std::string pyvenv_value(const std::string& cfg, const std::string& key) {
   std::string text;
   if (!read_file(cfg, text)) return {};
   std::istringstream lines(text);
   std::string line;
   while (std::getline(lines, line)) {
     const auto eq = line.find('=');
-    if (eq != std::string::npos && trim(line.substr(0, eq)) == "home") return trim(line.substr(eq + 1));
+    if (eq != std::string::npos && trim(line.substr(0, eq)) == key) return trim(line.substr(eq + 1));
   }
   return {};
 }
@@ -87,8 +88,9 @@ Environment find_environment() {
   for (const auto& cfg : {join(env.bin_dir, "pyvenv.cfg"), join(env.prefix, "pyvenv.cfg")}) {
     if (!is_file(cfg)) continue;
     env.venv = true;
-    const std::string home = pyvenv_home(cfg);
+    const std::string home = pyvenv_value(cfg, "home");
     if (!home.empty()) env.base_prefix = dirname(home);
+    env.version = pyvenv_value(cfg, "version");
     break;
   }
   for (const auto& name : {"python" + ver, std::string("python3"), std::string("python")}) {
@@ -100,15 +102,22 @@ Environment find_environment() {
   const std::string soname = "libpython" + ver + ".so.1.0";
   if (const char* forced = std::getenv("ACTIVEKV_LIBPYTHON"); forced != nullptr && *forced != '\0') {
     env.libpython = forced;
+    env.libpython_source = "ACTIVEKV_LIBPYTHON";
   } else {
     for (const auto& dir : {join(env.base_prefix, "lib"), join(env.prefix, "lib")}) {
       if (is_file(join(dir, soname))) {
         env.libpython = join(dir, soname);
+        env.libpython_source = dir;
         break;
       }
     }
-    // A distribution's python (/usr/bin/python3.11) keeps libpython in the loader's default search path.
-    if (env.libpython.empty()) env.libpython = soname;
+    // A distribution's python (/usr/bin/python3.11) keeps libpython in the loader's default search path (Debian:
+    // /usr/lib/x86_64-linux-gnu). That one may belong to another build of CPython than the environment's
+    // (a pyenv python without --enable-shared next to Debian's libpython3.11): embed.cpp checks its version.
+    if (env.libpython.empty()) {
+      env.libpython = soname;
+      env.libpython_source = "loader";
+    }
   }
   const std::string lib = join(env.prefix, "lib/python" + ver);
   for (const auto& dir : {join(lib, "site-packages"), join(lib, "dist-packages"),

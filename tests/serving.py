@@ -1,0 +1,93 @@
+"""Helpers for tests that run vLLM's command line out of process (`activekv serve|run-batch`, and vLLM's own CLI as
+the reference): a free loopback port, vLLM's own CLI command, start a server in its own process group and wait until
+it answers HTTP, and the processes left in a group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+# vLLM's own CLI exactly as its `vllm` console script runs it (vllm's entry_points.txt), with this venv's python.
+VLLM_CLI = [sys.executable, "-c",
+            "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment vLLM runs under in these tests: offline, 1 GiB of KV cache, unbuffered, engine core spawned."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def stock_vllm_env(site_packages: Path) -> dict[str, str]:
+    """vllm-cpu records itself as `vllm-cpu`, and vLLM's CLI stops at PackageNotFoundError: vllm without a `vllm`
+    record. The reference gets the payload's record on PYTHONPATH: what the launcher puts on its own sys.path."""
+    return vllm_env(PYTHONPATH=str(site_packages / "activekv" / "vllm-metadata"))
+
+
+def start(cmd: list[str], log_dir: Path, name: str, env: dict[str, str]) -> subprocess.Popen:
+    """Start ``cmd`` as the leader of a new process group (as a shell's job), stdout/stderr to log_dir/name.out/.err."""
+    with (log_dir / f"{name}.out").open("wb") as out, (log_dir / f"{name}.err").open("wb") as err:
+        return subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
+
+
+def wait_healthy(procs: dict[str, tuple[subprocess.Popen, int]], log_dir: Path, timeout_s: float) -> None:
+    """Wait until every server (name -> (process, port)) answers GET /health with 200; fail with its log otherwise."""
+    waiting = dict(procs)
+    deadline = time.monotonic() + timeout_s
+    while waiting and time.monotonic() < deadline:
+        for name, (proc, port) in list(waiting.items()):
+            if proc.poll() is not None:
+                pytest.fail(f"{name} exited with {proc.returncode}:\n{tail(log_dir / f'{name}.err')}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        del waiting[name]
+            except OSError:
+                pass
+        time.sleep(1)
+    if waiting:
+        pytest.fail(f"not healthy in {timeout_s} s: {sorted(waiting)}\n{tail(log_dir / f'{sorted(waiting)[0]}.err')}")
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """Every live process (zombies excluded) of process group ``pgid``."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return members
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """Teardown: SIGKILL whatever is left of the group ``proc`` leads, and reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.is_file() else f"(no {path})"
