@@ -11,7 +11,7 @@ PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel audit intake test demo bench parity quality patch-vllm unpatch-vllm gpu-check clean
+.PHONY: help venv build wheel audit intake test demo bench parity quality patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -70,6 +70,15 @@ parity: build ## every parity cell (exact + compressed), engine's ATen path vs t
 quality: build patch-vllm ## train the byte-level Llama if needed (tools/train_tiny.py), measure compressed mode, write docs/quality.md
 	$(PY) -m tools.train_tiny build/tiny-trained
 	$(PY) -m tools.quality --model build/tiny-trained
+
+CUDA_TOOLKIT := build/cuda-toolkit
+# CUDA 13.0, the CUDA of the device machine's torch 2.11+cu130: compiler wheels from PyPI, no GPU needed.
+CUDA_WHEELS := nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.96 \
+	nvidia-cuda-cccl==13.0.85
+cuda-check: venv ## compile-only check of engine/src/cuda/*.cu for sm_90 with nvcc 13.0 from PyPI (no GPU; CI runs it)
+	test -x $(CUDA_TOOLKIT)/nvidia/cu13/bin/nvcc || { set -o pipefail; $(PIP) install -q --no-deps --target $(CUDA_TOOLKIT) \
+		$(CUDA_WHEELS) $(PIPQ); }
+	$(PY) -m tools.cuda_check --toolkit $(CUDA_TOOLKIT)
 
 GPU_PY ?= python3
 GPU_OUT ?= build/gpu

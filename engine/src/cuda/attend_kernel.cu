@@ -4,7 +4,6 @@
 #include <activekv/cuda_kernel.h>
 
 #include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_bf16.h>
@@ -221,7 +220,8 @@ void attend_blocks_cuda(const CudaAttendArgs& a) {
                   " query rows per KV head");
   if (a.n == 0) return;
   // Splits: about two CTAs per multiprocessor over all KV heads, at least 4 blocks each.
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.pool.device().index()));
   const int64_t per_split = std::max<int64_t>(4, (a.n * kvh + 2 * sms - 1) / (2 * sms));
   const int64_t splits = (a.n + per_split - 1) / per_split;
   auto part = at::empty({kvh, splits, rows, d + 2}, a.q.options());
