@@ -13,8 +13,7 @@ struct PagePool {
     layer.host_blocks = host_blocks;
     layer.slot_of_block.assign(host_blocks, -1);
     layer.block_of_slot.assign(pool_blocks, -1);
-    layer.last_use.assign(pool_blocks, 0);
-    layer.pins.assign(pool_blocks, 0);
+    activekv::reset_page_table(layer);
   }
   activekv::LayerState layer;
   uint64_t clock = 0;

@@ -33,35 +33,33 @@ TileAdmission admit_tile(LayerState& layer, const std::vector<int64_t>& blocks, 
   // Validate before touching the page table, so a bad id leaves it as it was.
   for (int64_t b : blocks)
     AKV_CHECK_INDEX(b >= 0 && b < layer.host_blocks, "block id must be in [0, ", layer.host_blocks, "), got ", b);
-  int64_t pinned = 0;
-  for (int64_t i = 0; i < pool; ++i) pinned += layer.pins[i] > 0;
-  AKV_CHECK_VALUE(static_cast<int64_t>(blocks.size()) <= pool - pinned, "a tile of ", blocks.size(),
-                  " blocks does not fit the active pool (", pool, " slots, ", pinned, " pinned)");
+  AKV_CHECK_VALUE(static_cast<int64_t>(blocks.size()) <= pool - layer.pinned_slots, "a tile of ", blocks.size(),
+                  " blocks does not fit the active pool (", pool, " slots, ", layer.pinned_slots, " pinned)");
   for (int64_t b : blocks) {
     int64_t s = layer.slot_of_block[b];
     if (s >= 0) {
       ++out.hits;
+    } else if (!layer.free_slots.empty()) {  // lowest free slot first
+      s = *layer.free_slots.begin();
+      layer.free_slots.erase(layer.free_slots.begin());
     } else {
-      // Lowest free slot first; else the least recently used unpinned slot (lowest index on a tie).
-      for (int64_t i = 0; i < pool; ++i) {
-        if (layer.block_of_slot[i] < 0) {
-          s = i;
-          break;
-        }
-      }
-      if (s < 0) {
-        for (int64_t i = 0; i < pool; ++i) {
-          if (layer.pins[i] == 0 && (s < 0 || layer.last_use[i] < layer.last_use[s])) s = i;
-        }
-        AKV_CHECK_VALUE(s >= 0, "the active pool (", pool, " blocks) has no unpinned slot left for a tile of ",
-                        blocks.size(), " blocks");
-        layer.slot_of_block[layer.block_of_slot[s]] = -1;
-        ++out.evicted;
-      }
+      // Else the least recently used unpinned slot (last_use values are unique, so no tie is left to break).
+      AKV_CHECK_VALUE(!layer.lru.empty(), "the active pool (", pool, " blocks) has no unpinned slot left for a tile of ",
+                      blocks.size(), " blocks");
+      s = layer.lru.begin()->second;
+      layer.lru.erase(layer.lru.begin());
+      layer.slot_of_block[layer.block_of_slot[s]] = -1;
+      ++out.evicted;
+    }
+    if (layer.block_of_slot[s] != b) {
       layer.block_of_slot[s] = b;
       layer.slot_of_block[b] = s;
       out.miss_blocks.push_back(b);
       out.miss_slots.push_back(s);
+    }
+    if (layer.pins[s] == 0) {
+      layer.lru.erase({layer.last_use[s], s});  // a hit on an unpinned slot leaves the LRU order while pinned
+      ++layer.pinned_slots;
     }
     layer.last_use[s] = ++clock;
     ++layer.pins[s];
@@ -73,8 +71,23 @@ TileAdmission admit_tile(LayerState& layer, const std::vector<int64_t>& blocks, 
 void release_tile(LayerState& layer, const std::vector<int64_t>& slots) {
   for (int64_t s : slots) {
     TORCH_INTERNAL_ASSERT(layer.pins[s] > 0, "releasing an unpinned pool slot ", s);
-    --layer.pins[s];
+    if (--layer.pins[s] == 0) {
+      --layer.pinned_slots;
+      layer.lru.emplace(layer.last_use[s], s);
+    }
   }
+}
+
+void reset_page_table(LayerState& layer) {
+  const auto pool = static_cast<int64_t>(layer.block_of_slot.size());
+  std::fill(layer.slot_of_block.begin(), layer.slot_of_block.end(), -1);
+  std::fill(layer.block_of_slot.begin(), layer.block_of_slot.end(), -1);
+  layer.last_use.assign(pool, 0);
+  layer.pins.assign(pool, 0);
+  layer.free_slots.clear();
+  for (int64_t i = 0; i < pool; ++i) layer.free_slots.insert(layer.free_slots.end(), i);
+  layer.lru.clear();
+  layer.pinned_slots = 0;
 }
 
 }  // namespace activekv

@@ -1,3 +1,4 @@
+#include <activekv/admission.h>
 #include <activekv/check.h>
 #include <activekv/kv_state.h>
 #include <activekv/transfer.h>
@@ -26,8 +27,7 @@ KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device)
                       " bytes per layer) could not be allocated on ", device, ": ", e.what_without_backtrace());
     }
     l.block_of_slot.assign(pool_blocks, -1);
-    l.last_use.assign(pool_blocks, 0);
-    l.pins.assign(pool_blocks, 0);
+    reset_page_table(l);
   }
 }
 
@@ -42,11 +42,7 @@ const LayerState& KVState::layer(int64_t index) const {
 }
 
 void KVState::reset_layer(int64_t index) {
-  auto& l = layer(index);
-  std::fill(l.slot_of_block.begin(), l.slot_of_block.end(), -1);
-  std::fill(l.block_of_slot.begin(), l.block_of_slot.end(), -1);
-  std::fill(l.last_use.begin(), l.last_use.end(), 0);
-  std::fill(l.pins.begin(), l.pins.end(), 0);
+  reset_page_table(layer(index));
 }
 
 at::Tensor KVState::host_view(const at::Tensor& kv_cache) const {

@@ -52,6 +52,10 @@ TileAdmission admit_tile(LayerState& layer, const std::vector<int64_t>& blocks, 
 /// Unpin the slots of a tile admitted by admit_tile.
 void release_tile(LayerState& layer, const std::vector<int64_t>& slots);
 
+/// Empty a layer's page table: every pool slot free, nothing resident or pinned, LRU clock entries 0. Sizes come from
+/// block_of_slot (pool) and slot_of_block (host blocks), which must be sized already.
+void reset_page_table(LayerState& layer);
+
 /// Compressed-mode selection parameters, validated by the engine's configuration.
 struct Selection {
   int64_t sink_blocks = 1;    ///< first blocks of every context, always attended

@@ -9,6 +9,8 @@
 #include <activekv/telemetry.h>
 
 #include <cstdint>
+#include <set>
+#include <utility>
 #include <vector>
 
 namespace activekv {
@@ -26,6 +28,11 @@ struct LayerState {
   std::vector<int64_t> block_of_slot;  ///< [pool_blocks] block held by the slot, -1 if free
   std::vector<uint64_t> last_use;      ///< [pool_blocks] admission clock at the slot's last use (LRU)
   std::vector<int32_t> pins;           ///< [pool_blocks] >0 while the current tile uses the slot
+  // Indexes over the vectors above, kept in step by admission.h (admit_tile, release_tile, reset_page_table), so
+  // admitting a block costs O(log pool_blocks), not a scan of the pool.
+  std::set<int64_t> free_slots;                    ///< slots with block_of_slot == -1
+  std::set<std::pair<uint64_t, int64_t>> lru;      ///< (last_use, slot) of occupied, unpinned slots
+  int64_t pinned_slots = 0;                        ///< slots with pins > 0
   /// Compressed mode, last forward: (request row, [num_kv_heads, per_head] int64 block ids each head attended).
   std::vector<std::pair<int64_t, at::Tensor>> last_selection;
 };
