@@ -26,6 +26,29 @@ std::vector<std::vector<int64_t>> exact_tiles(const int32_t* block_row, int64_t 
   return tiles;
 }
 
+namespace {
+
+void lru_unlink(LayerState& l, int64_t s) {
+  const int64_t p = l.lru_prev[s], n = l.lru_next[s];
+  (p >= 0 ? l.lru_next[p] : l.lru_head) = n;
+  (n >= 0 ? l.lru_prev[n] : l.lru_tail) = p;
+  l.lru_prev[s] = l.lru_next[s] = -1;
+}
+
+// Insert keeping the list ordered by last_use. The engine releases a tile's slots in admission order after every
+// earlier release, so the walk from the tail stops at once; any other order stays correct, only slower.
+void lru_insert(LayerState& l, int64_t s) {
+  int64_t after = l.lru_tail;
+  while (after >= 0 && l.last_use[after] > l.last_use[s]) after = l.lru_prev[after];
+  const int64_t before = after >= 0 ? l.lru_next[after] : l.lru_head;
+  l.lru_prev[s] = after;
+  l.lru_next[s] = before;
+  (after >= 0 ? l.lru_next[after] : l.lru_head) = s;
+  (before >= 0 ? l.lru_prev[before] : l.lru_tail) = s;
+}
+
+}  // namespace
+
 TileAdmission admit_tile(LayerState& layer, const std::vector<int64_t>& blocks, uint64_t& clock) {
   TileAdmission out;
   out.slots.reserve(blocks.size());
@@ -39,28 +62,25 @@ TileAdmission admit_tile(LayerState& layer, const std::vector<int64_t>& blocks, 
     int64_t s = layer.slot_of_block[b];
     if (s >= 0) {
       ++out.hits;
-    } else if (!layer.free_slots.empty()) {  // lowest free slot first
-      s = *layer.free_slots.begin();
-      layer.free_slots.erase(layer.free_slots.begin());
+      if (layer.pins[s] == 0) lru_unlink(layer, s);  // leaves the LRU order while pinned
     } else {
-      // Else the least recently used unpinned slot (last_use values are unique, so no tie is left to break).
-      AKV_CHECK_VALUE(!layer.lru.empty(), "the active pool (", pool, " blocks) has no unpinned slot left for a tile of ",
-                      blocks.size(), " blocks");
-      s = layer.lru.begin()->second;
-      layer.lru.erase(layer.lru.begin());
-      layer.slot_of_block[layer.block_of_slot[s]] = -1;
-      ++out.evicted;
-    }
-    if (layer.block_of_slot[s] != b) {
+      if (layer.next_free < pool) {  // lowest free slot first
+        s = layer.next_free++;
+      } else {
+        // Else the least recently used unpinned slot (last_use values are unique: no tie is left to break).
+        AKV_CHECK_VALUE(layer.lru_head >= 0, "the active pool (", pool,
+                        " blocks) has no unpinned slot left for a tile of ", blocks.size(), " blocks");
+        s = layer.lru_head;
+        lru_unlink(layer, s);
+        layer.slot_of_block[layer.block_of_slot[s]] = -1;
+        ++out.evicted;
+      }
       layer.block_of_slot[s] = b;
       layer.slot_of_block[b] = s;
       out.miss_blocks.push_back(b);
       out.miss_slots.push_back(s);
     }
-    if (layer.pins[s] == 0) {
-      layer.lru.erase({layer.last_use[s], s});  // a hit on an unpinned slot leaves the LRU order while pinned
-      ++layer.pinned_slots;
-    }
+    if (layer.pins[s] == 0) ++layer.pinned_slots;
     layer.last_use[s] = ++clock;
     ++layer.pins[s];
     out.slots.push_back(s);
@@ -73,7 +93,7 @@ void release_tile(LayerState& layer, const std::vector<int64_t>& slots) {
     TORCH_INTERNAL_ASSERT(layer.pins[s] > 0, "releasing an unpinned pool slot ", s);
     if (--layer.pins[s] == 0) {
       --layer.pinned_slots;
-      layer.lru.emplace(layer.last_use[s], s);
+      lru_insert(layer, s);
     }
   }
 }
@@ -84,9 +104,10 @@ void reset_page_table(LayerState& layer) {
   std::fill(layer.block_of_slot.begin(), layer.block_of_slot.end(), -1);
   layer.last_use.assign(pool, 0);
   layer.pins.assign(pool, 0);
-  layer.free_slots.clear();
-  for (int64_t i = 0; i < pool; ++i) layer.free_slots.insert(layer.free_slots.end(), i);
-  layer.lru.clear();
+  layer.lru_prev.assign(pool, -1);
+  layer.lru_next.assign(pool, -1);
+  layer.lru_head = layer.lru_tail = -1;
+  layer.next_free = 0;
   layer.pinned_slots = 0;
 }
 

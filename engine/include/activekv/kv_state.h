@@ -9,8 +9,6 @@
 #include <activekv/telemetry.h>
 
 #include <cstdint>
-#include <set>
-#include <utility>
 #include <vector>
 
 namespace activekv {
@@ -29,10 +27,13 @@ struct LayerState {
   std::vector<uint64_t> last_use;      ///< [pool_blocks] admission clock at the slot's last use (LRU)
   std::vector<int32_t> pins;           ///< [pool_blocks] >0 while the current tile uses the slot
   // Indexes over the vectors above, kept in step by admission.h (admit_tile, release_tile, reset_page_table), so
-  // admitting a block costs O(log pool_blocks), not a scan of the pool.
-  std::set<int64_t> free_slots;                    ///< slots with block_of_slot == -1
-  std::set<std::pair<uint64_t, int64_t>> lru;      ///< (last_use, slot) of occupied, unpinned slots
-  int64_t pinned_slots = 0;                        ///< slots with pins > 0
+  // admitting a block costs O(1) instead of a scan of the pool:
+  int64_t next_free = 0;          ///< slots [next_free, pool_blocks) are free (a slot is freed only by a reset)
+  int64_t pinned_slots = 0;       ///< slots with pins > 0
+  std::vector<int64_t> lru_prev;  ///< [pool_blocks] doubly linked list of occupied unpinned slots, by last_use
+  std::vector<int64_t> lru_next;  ///< [pool_blocks] (-1 ends it)
+  int64_t lru_head = -1;          ///< least recently used unpinned slot, -1 if none
+  int64_t lru_tail = -1;          ///< most recently used unpinned slot
   /// Compressed mode, last forward: (request row, [num_kv_heads, per_head] int64 block ids each head attended).
   std::vector<std::pair<int64_t, at::Tensor>> last_selection;
 };
