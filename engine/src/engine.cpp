@@ -283,7 +283,8 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
   const int64_t kvh = g.num_kv_heads, bs = g.block_size, tb = g.tile_blocks, m = selection_.per_head();
   auto row_blocks = at::empty({nb}, at::TensorOptions().dtype(at::kLong));
   std::copy(row, row + nb, row_blocks.data_ptr<int64_t>());
-  auto pos = select_blocks(q, L.key_min, L.key_max, row_blocks.to(device_), selection_);  // [KVH, m] positions
+  auto pos = select_blocks(q, L.key_min, L.key_max, row_blocks.to(device_), selection_,
+                          /*native_scores=*/use_native());  // [KVH, m] positions
   auto pos_cpu = pos.to(at::kCPU).contiguous();
   const int64_t* pp = pos_cpu.data_ptr<int64_t>();
   // The pool admits the union of the heads' blocks, in position order, all pinned while the row attends.
