@@ -3,6 +3,7 @@
 #include <activekv/cpu_kernel.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <limits>
 
@@ -99,6 +100,7 @@ at::Tensor quest_scores(const at::Tensor& q, const at::Tensor& key_min, const at
 
 at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
                                const at::Tensor& ids) {
+  RECORD_FUNCTION("activekv::quest_scores_native", std::vector<c10::IValue>());  // named in torch.profiler tables
   const int64_t kvh = key_min.size(1), d = key_min.size(2), g = q.size(1) / kvh, c = ids.size(0);
   TORCH_INTERNAL_ASSERT(key_min.is_cpu() && key_min.is_contiguous() && key_max.is_contiguous() &&
                         key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat);
@@ -136,6 +138,7 @@ at::Tensor top_blocks(const at::Tensor& score, int64_t k) {
 
 at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
                          const at::Tensor& row_blocks, const Selection& sel, bool native_scores) {
+  RECORD_FUNCTION("activekv::select_blocks", std::vector<c10::IValue>());
   const int64_t nb = row_blocks.size(0), kvh = key_min.size(1);
   const int64_t cand = nb - sel.sink_blocks - sel.recent_blocks;
   AKV_CHECK_VALUE(cand > sel.top_k, "a selecting row needs more than sink + recent + k = ", sel.per_head(),
