@@ -2,8 +2,14 @@
 
 A cell is one configuration: mode x dtype x head size x GQA ratio x block size x context x pool x batch x padding.
 Each cell replays the same vLLM-like step sequence on the native engine and on the Python reference, feeding both the
-same tensors: a prefill chunk, the rest of the prompt, decode steps; then a new request takes over the first row's
-freed blocks (prefill from offset 0, so stale pool copies and key metadata must be overwritten) and decodes.
+same tensors: a prefill chunk, the rest of the prompt, `block_size + 3` decode steps (so every row fills at least one
+whole block one decode token at a time: metadata updates, block-table growth and, with a small pool, evictions on
+every step); then a new request takes over the first row's freed blocks (prefill from offset 0, so stale pool copies
+and key metadata must be overwritten) and decodes.
+
+Both matrices cross every dtype (float32, bfloat16, float16), head size (64, 128, 80), GQA ratio (1, 4, 8) and block
+size (16, 32) with each other (54 combinations), then with a balanced half of the remaining axes (`_half`), so that
+every value of every axis meets every value of the four main axes while the run stays a few minutes.
 `run_cell` compares them bit for bit and raises `Mismatch` naming the first item that differs.
 
 Run cells with one intra-op thread (`torch.set_num_threads(1)`): with several, the BLAS under torch's matmul may split
@@ -29,6 +35,7 @@ TILE_BLOCKS = 2
 # Compressed mode: 1 sink block, 1 recent block, k = 2 -> a budget of 4 blocks per KV head.
 SINK_BLOCKS, RECENT_BLOCKS, TOP_K = 1, 1, 2
 BUDGET_BLOCKS = SINK_BLOCKS + TOP_K + RECENT_BLOCKS
+REUSE_DECODE_STEPS = 2  # decode steps of the request that reuses the first row's freed blocks
 
 
 @dataclass(frozen=True)
@@ -51,7 +58,17 @@ class Cell:
 
     @property
     def decode_steps(self) -> int:
-        return 4 if self.mode == "compressed" else 3
+        return self.block_size + 3
+
+    @property
+    def selects(self) -> bool:
+        """Whether some decode step of the cell runs compressed-mode selection: a decode row whose context (the new
+        token included) spans more blocks than one KV head's budget (sink + k + recent)."""
+        if self.mode != "compressed":
+            return False
+        blocks = lambda n: -(-n // self.block_size)  # noqa: E731
+        finals = [p + self.decode_steps for p in self.prompt_lens()] + [self.prompt_lens()[0] + REUSE_DECODE_STEPS]
+        return any(blocks(f) > BUDGET_BLOCKS for f in finals)
 
     @property
     def budget_tokens(self) -> int:
@@ -83,18 +100,35 @@ class Cell:
         return [n - 3 if self.context == "unaligned" else n for n in lens]
 
 
+MAIN_AXES = ((torch.float32, torch.bfloat16, torch.float16), (64, 128, 80), (1, 4, 8), (16, 32))
+
+
+def _half(binary_axes: int, i: int) -> list[tuple[bool, ...]]:
+    """Half of the 2^n combinations of n two-valued axes: those whose count of True has the parity of `i`. Each half
+    holds every value of every axis equally often; consecutive `i` alternate halves, so all 2^n combinations occur."""
+    return [c for c in itertools.product((False, True), repeat=binary_axes) if sum(c) % 2 == i % 2]
+
+
 def exact_cells() -> list[Cell]:
-    dims = itertools.product(
-        (torch.float32, torch.bfloat16), (64, 128), (1, 4), (16, 32), ("aligned", "unaligned"), (True, False), (1, 3),
-        (False, True))
-    return [Cell(*d) for d in dims]
+    """54 main combinations x 8 of the 16 (context aligned/unaligned, pool stream/fit, batch 1/3, padded) = 432."""
+    cells = []
+    for i, (dt, hs, gqa, bs) in enumerate(itertools.product(*MAIN_AXES)):
+        for unaligned, streaming, batch3, padded in _half(4, i):
+            cells.append(Cell(dt, hs, gqa, bs, "unaligned" if unaligned else "aligned", streaming, 3 if batch3 else 1,
+                              padded))
+    return cells
 
 
 def compressed_cells() -> list[Cell]:
-    dims = itertools.product(
-        (torch.float32, torch.bfloat16, torch.float16), (64, 128, 80), (1, 4, 8), (16, 32),
-        ("short", "multiple", "unaligned"), (True, False), (1, 3))
-    return [Cell(*d[:6], batch=d[6], padded=d[6] == 3, mode="compressed") for d in dims]
+    """54 main combinations x 3 contexts (short, multiple, unaligned vs the budget) x 2 of the 4 (pool stream/fit,
+    batch 1/3; batch 3 is also padded) = 324."""
+    cells = []
+    main = itertools.product(*MAIN_AXES, ("short", "multiple", "unaligned"))
+    for i, (dt, hs, gqa, bs, context) in enumerate(main):
+        for streaming, batch3 in _half(2, i):
+            cells.append(Cell(dt, hs, gqa, bs, context, streaming, batch=3 if batch3 else 1, padded=batch3,
+                              mode="compressed"))
+    return cells
 
 
 @dataclass
@@ -156,7 +190,7 @@ def make_steps(cell: Cell, num_host_blocks: int, seed: int = 0) -> list[Step]:
     # Row 0's request finished; a new one gets the same blocks (vLLM frees and reuses them) and runs alone.
     reuse_done = [0]
     steps.append(_step(cell, g, tables[:1], reuse_done, [prompts[0]]))
-    steps += [_step(cell, g, tables[:1], reuse_done, [1]) for _ in range(2)]
+    steps += [_step(cell, g, tables[:1], reuse_done, [1]) for _ in range(REUSE_DECODE_STEPS)]
     return steps
 
 

@@ -129,6 +129,27 @@ def test_compressed_builder_defaults_its_pool_to_the_worst_case_union() -> None:
     assert (b.engine.mode, b.engine.top_k, b.engine.pool_blocks) == ("compressed", 509, 1021)
 
 
+@pytest.mark.parametrize(("max_num_seqs", "num_gpu_blocks", "pool"), [
+    (3, 100_000, 3 * 1021),  # one worst-case union per scheduler row
+    (3, 2500, 2500),  # capped at the KV cache's blocks
+    (3, 500, 1021),  # never below one row's union (the engine's minimum)
+    (1, 100_000, 1021),
+    (None, 100_000, 1021),  # vLLM's config lacks a figure (e.g. None while profiling): one row's union
+    (3, None, 1021),
+    (True, 100_000, 1021),  # not an int
+])
+def test_compressed_default_pool_scales_with_max_num_seqs_capped_by_the_kv_cache(max_num_seqs, num_gpu_blocks,
+                                                                                 pool) -> None:
+    cfg = vllm_config({"mode": "compressed", "budget_tokens": 8192})
+    cfg.scheduler_config = SimpleNamespace(max_num_seqs=max_num_seqs)
+    cfg.cache_config = SimpleNamespace(num_gpu_blocks=num_gpu_blocks)
+    b = backend.Builder(spec(), LAYERS, cfg, torch.device("cpu"))
+    assert b.engine.pool_blocks == pool
+    explicit = vllm_config({"mode": "compressed", "budget_tokens": 8192, "pool_blocks": 2000})
+    explicit.scheduler_config, explicit.cache_config = cfg.scheduler_config, cfg.cache_config
+    assert backend.Builder(spec(), LAYERS, explicit, torch.device("cpu")).engine.pool_blocks == 2000  # option wins
+
+
 def test_builder_defaults_and_layer_registry() -> None:
     b = backend.Builder(spec(), LAYERS, vllm_config(), torch.device("cpu"))
     assert (b.engine.pool_blocks, b.engine.tile_blocks, b.engine.mode) == (256, 16, "exact")

@@ -5,6 +5,7 @@ run to run, across thread counts; every CPU capability within the same tolerance
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 
@@ -23,8 +24,6 @@ TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 def _cells() -> list[Cell]:
-    import random
-
     rng = random.Random(1)
     return rng.sample(exact_cells(), 12) + rng.sample(compressed_cells(), 12)
 
@@ -32,7 +31,9 @@ def _cells() -> list[Cell]:
 CELLS = _cells()
 
 
-def run(cell: Cell, kernel: str) -> tuple[list[torch.Tensor], dict]:
+def run(cell: Cell, kernel: str, selections: list | None = None) -> tuple[list[torch.Tensor], dict]:
+    """Replay the cell on one engine; returns (every forward's output, counters). `selections`, if given, receives
+    every forward's compressed-mode selection per request row ({row: [num_kv_heads, per_head] block ids})."""
     nb = host_blocks_for(cell)
     kwargs = dict(cell.engine_kwargs(), kernel=kernel)
     eng = backend.Engine(*cell.engine_args(), **kwargs)
@@ -45,6 +46,8 @@ def run(cell: Cell, kernel: str) -> tuple[list[torch.Tensor], dict]:
             out = torch.full_like(st.q[layer], 7.0)
             eng.forward(layer, plan, st.q[layer], caches[layer], out, cell.head_size ** -0.5)
             outs.append(out)
+            if selections is not None:
+                selections.append(eng.selection(layer))
     snap = eng.snapshot()
     return outs, {k: v for k, v in snap.items() if k not in ("histograms", "info")}
 
@@ -57,6 +60,24 @@ def test_native_kernel_within_tolerance_of_aten_path(cell: Cell) -> None:
     tol = TOLERANCE[cell.dtype]
     for i, (a, b) in enumerate(zip(native, aten)):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{cell.id} forward {i}: {m}")
+
+
+SELECTING_CELLS = [c for c in random.Random(0).sample(compressed_cells(), 48) if c.selects]
+
+
+@pytest.mark.parametrize("cell", SELECTING_CELLS, ids=[c.id for c in SELECTING_CELLS])
+def test_native_selection_picks_the_same_blocks_as_the_aten_path(cell: Cell) -> None:
+    """With kernel 'native' the Quest bound is scored by the CPU kernel (engine/src/cpu/attend_kernel.cpp
+    quest_scores), with 'aten' by the matmuls the reference repeats: on the parity cells (tests/test_parity.py's
+    compressed subset, those that select) every step's blocks per KV head are identical."""
+    sel_native: list = []
+    sel_aten: list = []
+    run(cell, "native", sel_native)
+    run(cell, "aten", sel_aten)
+    assert len(sel_native) == len(sel_aten) and any(sel_aten)
+    for i, (a, b) in enumerate(zip(sel_native, sel_aten)):
+        assert a.keys() == b.keys(), i
+        assert all(torch.equal(a[r], b[r]) for r in a), f"{cell.id} forward {i}"
 
 
 def test_native_kernel_is_bit_identical_run_to_run_and_across_thread_counts() -> None:

@@ -1,5 +1,6 @@
 """Compressed-mode block selection (activekv._admission.select_blocks, engine/src/admission.cpp): Quest's bound,
-GQA combination, tie-breaking, the planted-needle recall, and bit-for-bit agreement with the reference."""
+GQA combination, tie-breaking, the planted-needle recall, bit-for-bit agreement with the reference, and the native
+scoring path (the CPU kernel, used with kernel 'native') against the ATen one."""
 
 from __future__ import annotations
 
@@ -43,11 +44,70 @@ def test_selection_is_quest_top_k_per_head_with_group_max(gqa: int, nb: int, sin
         assert pos[h].tolist() == want, h
 
 
-def test_ties_break_by_lowest_block_index() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["aten", "native"])
+def test_ties_break_by_lowest_block_index(native: bool) -> None:
     nb, sink, recent, k = 10, 1, 2, 3
     same = torch.ones(nb, KVH, D)
-    pos = admission.select_blocks(torch.ones(1, KVH, D), same, same, torch.arange(nb), sink, recent, k)
+    pos = admission.select_blocks(torch.ones(1, KVH, D), same, same, torch.arange(nb), sink, recent, k,
+                                  native_scores=native)
     assert pos.tolist() == [[0, 1, 2, 3, 8, 9]] * KVH
+    # a partial tie at the k-th score: blocks 2..7 score 1, 4 and 6 score 2 -> 4, 6 and the lowest tied one (2)
+    kmax = same.clone()
+    kmax[[4, 6]] = 2.0
+    pos = admission.select_blocks(torch.ones(1, KVH, D), same, kmax, torch.arange(nb), sink, recent, k,
+                                  native_scores=native)
+    assert pos.tolist() == [[0, 1, 4, 6, 8, 9]] * KVH
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["aten", "native"])
+def test_nan_scores_rank_first_and_exactly_k_are_chosen(native: bool) -> None:
+    nb, sink, recent, k = 12, 1, 1, 3
+    kmin = torch.zeros(nb, KVH, D)
+    kmax = torch.arange(nb, dtype=torch.float32).view(nb, 1, 1).expand(nb, KVH, D).contiguous()
+    kmax[5, 0, 0] = float("nan")
+    pos = admission.select_blocks(torch.ones(1, KVH, D), kmin, kmax, torch.arange(nb), sink, recent, k,
+                                  native_scores=native)
+    assert pos.tolist() == [[0, 5, 9, 10, 11], [0, 8, 9, 10, 11]]
+
+
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_native_scores_are_within_float32_rounding_of_aten_and_select_the_same_blocks(gqa: int, d: int) -> None:
+    """The CPU kernel sums the bound in another order (vectorised fused multiply-adds) than the two matmuls: scores
+    agree to a few float32 ulps of the terms' magnitude (tolerance: 1e-5 relative to sum_d |q_d| max(|min_d|,
+    |max_d|), about 50 ulps), and on these inputs they select the same blocks."""
+    g = torch.Generator().manual_seed(d * gqa)
+    kvh, hb = 4, 600
+    q = torch.randn(1, kvh * gqa, d, generator=g)
+    kmin = torch.randn(hb, kvh, d, generator=g)
+    kmax = kmin + torch.rand(hb, kvh, d, generator=g)
+    ids = torch.randperm(hb, generator=g)[:500]
+    aten = admission.quest_scores(q, kmin, kmax, ids)
+    native = admission.quest_scores(q, kmin, kmax, ids, native=True)
+    assert native.shape == aten.shape == (kvh, 500) and native.dtype == torch.float32
+    magnitude = (q.abs().view(kvh, gqa, 1, d) * torch.maximum(kmin.abs(), kmax.abs())[ids].permute(1, 0, 2)
+                 .unsqueeze(1)).sum(-1).amax(1)
+    assert ((native - aten).abs() <= 1e-5 * magnitude).all()
+    for k in (1, 37, 200):
+        args = (q, kmin, kmax, ids, 2, 3, k)
+        assert torch.equal(admission.select_blocks(*args, native_scores=True), admission.select_blocks(*args))
+
+
+def test_native_scores_do_not_depend_on_the_thread_count() -> None:
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, 32, 128, generator=g)
+    kmin = torch.randn(3000, 8, 128, generator=g)
+    kmax = kmin + torch.rand(3000, 8, 128, generator=g)
+    ids = torch.randperm(3000, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = admission.quest_scores(q, kmin, kmax, ids, native=True)
+        torch.set_num_threads(2)
+        two = admission.quest_scores(q, kmin, kmax, ids, native=True)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
 
 
 def test_selection_matches_reference_bit_for_bit() -> None:

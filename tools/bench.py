@@ -11,10 +11,12 @@ timed through the path vLLM drives, per column:
   Pool columns: the pool holds every block the step reads, or a quarter of them (exact mode then streams every block
   each step).
 - ActiveKV compressed: the same calls with `mode=compressed`, `budget_tokens` 2048, `sink_blocks` 1, `recent_blocks`
-  2 and the default pool (the worst-case union of one row's selections: 8 KV heads x 125 + 3 = 1003 blocks). Each
+  2 and the default pool: the worst-case union of one row's selections (8 KV heads x 125 + 3 = 1003 blocks) for
+  each of the scheduler's rows, capped at the KV cache's blocks (the Builder reads `scheduler_config.max_num_seqs`
+  and `cache_config.num_gpu_blocks`; here the batch and the cache's block count, as vLLM would set them). Each
   decode row attends, per KV head, to its 128 selected blocks; a context within the budget (2k) runs as exact mode.
-  At batch > 1 also with a pool of batch x that union ("pool=batch x union"): the default pool holds one row's union,
-  so rows whose unions do not fit together evict each other's blocks every step.
+  At batch > 1 also with a pool of one row's union ("pool=one union", the default before it scaled with
+  max_num_seqs): rows whose unions do not fit together then evict each other's blocks every step.
 - vLLM CPU_ATTN (`torch.ops._C`, as vllm/v1/attention/backends/cpu_attn.py calls it): `get_scheduler_metadata`
   (its builder's per-step work), `cpu_attn_reshape_and_cache` of the new tokens, `cpu_attention_with_kv_cache`.
   At block 16 (ISA vec16, the same geometry as ActiveKV) and at block 128, vLLM's CPU default: vLLM's CPU_ATTN
@@ -64,18 +66,18 @@ COMPRESSED = {"mode": "compressed", "budget_tokens": 2048, "sink_blocks": 1, "re
 EXACT_POOL_ALL = "ActiveKV exact pool=all"
 EXACT_POOL_QUARTER = "ActiveKV exact pool=1/4"
 COMPRESSED_COLUMN = "ActiveKV compressed 2048"
-COMPRESSED_BATCH_POOL = "ActiveKV compressed 2048 pool=batch x union"
+COMPRESSED_ONE_UNION = "ActiveKV compressed 2048 pool=one union"
 CPU_ATTN_16 = "CPU_ATTN block 16"
 CPU_ATTN_128 = "CPU_ATTN block 128"
 SDPA = "SDPA"
-COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, COMPRESSED_COLUMN, COMPRESSED_BATCH_POOL, CPU_ATTN_16, CPU_ATTN_128,
+COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, COMPRESSED_COLUMN, COMPRESSED_ONE_UNION, CPU_ATTN_16, CPU_ATTN_128,
            SDPA)
 # Columns whose output must equal attention over the whole context (within float32 rounding).
 EXACT_COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, CPU_ATTN_16, CPU_ATTN_128)
 # Speed ratios reported per row and compressed column: (column / compressed). Above 1: compressed is that many times
 # faster.
 RATIO_COLUMNS = (CPU_ATTN_16, CPU_ATTN_128, EXACT_POOL_ALL, SDPA)
-SAME_AS_DEFAULT = "= default"  # pool=batch x union at batch 1 is the default pool
+SAME_AS_DEFAULT = "= default"  # pool=one union at batch 1 is the default pool
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,9 @@ def activekv_column(case: Case, backend: Any, options: dict[str, Any]) -> tuple[
                            sliding_window=None)
     config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: NUM_HEADS),
                              parallel_config=None,
+                             # what vLLM sets before it makes the builders: the scheduler's rows, the cache's blocks
+                             scheduler_config=SimpleNamespace(max_num_seqs=case.batch),
+                             cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
                              additional_config={"activekv": {**options, "tile_blocks": TILE_BLOCKS}})
     layer = SimpleNamespace(layer_name="bench.layers.0.attn")
     builder = backend.Builder(spec, [layer.layer_name], config, torch.device("cpu"))
@@ -252,7 +257,8 @@ def exact_options(case: Case, pool_fraction: int) -> dict[str, Any]:
 
 
 def worst_case_union_blocks() -> int:
-    """Compressed mode's default pool: num_kv_heads * k + sink + recent blocks, k = budget blocks - sink - recent."""
+    """One row's worst-case union of selections: num_kv_heads * k + sink + recent blocks, k = budget blocks - sink -
+    recent (compressed mode's default pool is this per scheduler row, capped at the KV cache's blocks)."""
     k = COMPRESSED["budget_tokens"] // BLOCK_SIZE - COMPRESSED["sink_blocks"] - COMPRESSED["recent_blocks"]
     return NUM_KV_HEADS * k + COMPRESSED["sink_blocks"] + COMPRESSED["recent_blocks"]
 
@@ -280,14 +286,14 @@ def load_backend() -> tuple[Any | None, str]:
 def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tuple[Callable[[], None], torch.Tensor]]
                                                           | None]:
     """Per column: a function that builds (step, output), or None when the column does not run (module missing, or
-    pool=batch x union at batch 1, which is the default pool)."""
+    pool=one union at batch 1, which is the default pool)."""
     akv = backend is not None
     return {
         EXACT_POOL_ALL: (lambda: activekv_column(case, backend, exact_options(case, 1))) if akv else None,
         EXACT_POOL_QUARTER: (lambda: activekv_column(case, backend, exact_options(case, 4))) if akv else None,
         COMPRESSED_COLUMN: (lambda: activekv_column(case, backend, COMPRESSED)) if akv else None,
-        COMPRESSED_BATCH_POOL: (lambda: activekv_column(
-            case, backend, {**COMPRESSED, "pool_blocks": case.batch * worst_case_union_blocks()}))
+        COMPRESSED_ONE_UNION: (lambda: activekv_column(
+            case, backend, {**COMPRESSED, "pool_blocks": worst_case_union_blocks()}))
         if akv and case.batch > 1 else None,
         CPU_ATTN_16: lambda: cpu_attn_column(case, 16),
         CPU_ATTN_128: lambda: cpu_attn_column(case, 128),
@@ -328,12 +334,12 @@ def run(contexts: Sequence[int], batches: Sequence[int], timing: Timing, seed: i
             if COMPRESSED_COLUMN in outputs:
                 rel = ((outputs[COMPRESSED_COLUMN] - reference).norm() / reference.norm()).item()
                 compressed = f"max {diff(COMPRESSED_COLUMN):.1e}, rel {rel:.1e}"
-            missing = {name: SAME_AS_DEFAULT if name == COMPRESSED_BATCH_POOL and backend is not None else MISSING
+            missing = {name: SAME_AS_DEFAULT if name == COMPRESSED_ONE_UNION and backend is not None else MISSING
                        for name in COLUMNS}
             cells = [f"{ms[name]:.2f}" if name in ms else missing[name] for name in COLUMNS]
             label = f"| {context // 1024}k | {batch} | "
             lines.append(label + " | ".join(cells) + f" | {worst:.1e} | {compressed} |")
-            for variant, pool in ((COMPRESSED_COLUMN, "default"), (COMPRESSED_BATCH_POOL, "batch x union")):
+            for variant, pool in ((COMPRESSED_COLUMN, "default"), (COMPRESSED_ONE_UNION, "one union")):
                 if variant in ms:
                     ratios = [f"{ms[name] / ms[variant]:.2f}x" for name in RATIO_COLUMNS]
                     ratio_lines.append(label + f"{pool} | " + " | ".join(ratios) + " |")
@@ -376,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"setup: decode (1 query token per row), {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head size "
           f"{HEAD_SIZE}, {str(DTYPE).removeprefix('torch.')}, ActiveKV block {BLOCK_SIZE} / tile {TILE_BLOCKS} "
           f"blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink {COMPRESSED['sink_blocks']} / "
-          f"recent {COMPRESSED['recent_blocks']} / default pool {worst_case_union_blocks()} blocks, "
+          f"recent {COMPRESSED['recent_blocks']} / default pool batch x {worst_case_union_blocks()} blocks, "
           f"{torch.get_num_threads()} threads; median ms per step of one layer after up to {args.warmup} "
           f"warm-up steps, {min(reps)}-{max(reps)} reps per cell; seed {args.seed}; run took {elapsed:.0f} s")
     print()

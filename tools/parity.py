@@ -10,7 +10,7 @@ tables, all bit for bit. A cell that differs does not stop the run: its verdict 
 item (`error` when the engine or the reference raised something else). Writes `report.md` (a table: every cell, its
 parameters, verdict and counters) and `report.json` (every cell: id, parameters, verdict, message, counters) under
 `--out` (default `build/parity`), and prints one summary line, e.g.
-`parity: 904 cells, 904 match (256 exact, 648 compressed)`.
+`parity: 756 cells, 756 match (432 exact, 324 compressed)`.
 
 Every cell runs with one intra-op thread (`torch.set_num_threads(1)`), in this process or in each `--jobs` worker: with
 several threads the BLAS under torch's matmul may split a product differently from one call to the next, so the

@@ -3,7 +3,7 @@
 `python -m tools.profile_forward [--context N] [--batch B] [--pool-fraction F] [--mode exact|compressed] [--reps R]`.
 The geometry is the benchmark's (32 query heads, 8 KV heads, head size 128, float32, block 16, tile 16 blocks);
 `--mode compressed` uses the benchmark's compressed options (budget 2048 tokens, sink 1, recent 2) and the default
-pool (`--pool-fraction` is then ignored). A profile, not a timing.
+pool (one row's worst-case union per row of the batch; `--pool-fraction` is then ignored). A profile, not a timing.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = SimpleNamespace(block_size=BS, num_kv_heads=KVH, head_size=D, dtype=torch.float32, sliding_window=None)
     cfg = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: H),
                           parallel_config=None,
+                          # as vLLM sets them before it makes the builders (compressed mode's default pool reads them)
+                          scheduler_config=SimpleNamespace(max_num_seqs=args.batch),
+                          cache_config=SimpleNamespace(num_gpu_blocks=nb),
                           additional_config={"activekv": {**options, "tile_blocks": TILE}})
     layer = SimpleNamespace(layer_name="profile.layers.0.attn")
     builder = backend.Builder(spec, [layer.layer_name], cfg, torch.device("cpu"))

@@ -29,7 +29,7 @@ PYBIND11_MODULE(_admission, m) {
   m.def(
       "select_blocks",
       [](const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& row_blocks,
-         int64_t sink_blocks, int64_t recent_blocks, int64_t top_k) {
+         int64_t sink_blocks, int64_t recent_blocks, int64_t top_k, bool native_scores) {
         TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == 1, "q must be [1, num_heads, head_size], got ", q.sizes());
         TORCH_CHECK_TYPE(key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat,
                          "key_min and key_max must be float32, got ", key_min.scalar_type(), " and ",
@@ -49,12 +49,47 @@ PYBIND11_MODULE(_admission, m) {
           TORCH_CHECK_INDEX(lo >= 0 && hi < key_min.size(0), "row_blocks must be in [0, ", key_min.size(0),
                             "), got [", lo, ", ", hi, "]");
         }
-        return activekv::select_blocks(q, key_min, key_max, row_blocks,
-                                       activekv::Selection{sink_blocks, recent_blocks, top_k});
+        TORCH_CHECK_VALUE(!native_scores || (key_min.is_cpu() && q.is_cpu() && row_blocks.is_cpu()),
+                          "native_scores=True needs CPU tensors, got q on ", q.device(), ", key metadata on ",
+                          key_min.device());
+        const auto kmin = native_scores ? key_min.contiguous() : key_min;
+        const auto kmax = native_scores ? key_max.contiguous() : key_max;
+        return activekv::select_blocks(q, kmin, kmax, row_blocks,
+                                       activekv::Selection{sink_blocks, recent_blocks, top_k}, native_scores);
       },
       py::arg("q"), py::arg("key_min"), py::arg("key_max"), py::arg("row_blocks"), py::arg("sink_blocks"),
-      py::arg("recent_blocks"), py::arg("top_k"), py::call_guard<py::gil_scoped_release>(),
-      "Quest selection of one decode row: int64 [num_kv_heads, sink + top_k + recent] block positions, ascending.");
+      py::arg("recent_blocks"), py::arg("top_k"), py::arg("native_scores") = false,
+      py::call_guard<py::gil_scoped_release>(),
+      "Quest selection of one decode row: int64 [num_kv_heads, sink + top_k + recent] block positions, ascending. "
+      "native_scores=True scores with the CPU kernel (the engine's path with kernel 'native'), else with the ATen "
+      "ops the reference repeats.");
+  m.def(
+      "quest_scores",
+      [](const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& ids,
+         bool native) {
+        TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == 1, "q must be [1, num_heads, head_size], got ", q.sizes());
+        TORCH_CHECK_TYPE(key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat,
+                         "key_min and key_max must be float32, got ", key_min.scalar_type(), " and ",
+                         key_max.scalar_type());
+        TORCH_CHECK_VALUE(key_min.dim() == 3 && key_min.sizes() == key_max.sizes() && key_min.size(2) == q.size(2) &&
+                              key_min.size(1) > 0 && q.size(1) % key_min.size(1) == 0,
+                          "key_min/key_max must be [blocks, num_kv_heads, head_size] matching q, got ",
+                          key_min.sizes(), " and ", key_max.sizes());
+        TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be a 1-D int64 tensor, got ",
+                         ids.scalar_type(), " ", ids.sizes());
+        TORCH_CHECK_VALUE(!native || (key_min.is_cpu() && q.is_cpu() && ids.is_cpu()),
+                          "native=True needs CPU tensors");
+        if (ids.numel() > 0) {
+          const auto lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+          TORCH_CHECK_INDEX(lo >= 0 && hi < key_min.size(0), "ids must be in [0, ", key_min.size(0), "), got [", lo,
+                            ", ", hi, "]");
+        }
+        return native ? activekv::quest_scores_native(q, key_min.contiguous(), key_max.contiguous(), ids)
+                      : activekv::quest_scores(q, key_min, key_max, ids);
+      },
+      py::arg("q"), py::arg("key_min"), py::arg("key_max"), py::arg("ids"), py::arg("native") = false,
+      py::call_guard<py::gil_scoped_release>(),
+      "Quest bound of blocks ids for every KV head: float32 [num_kv_heads, len(ids)]; native=True: the CPU kernel.");
   m.def("parse_mode", &activekv::parse_mode, py::arg("name"), "Mode from its option spelling; ValueError if unknown.");
   m.def(
       "exact_tiles",

@@ -8,6 +8,7 @@
 #include <activekv_py/common.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 #include <memory>
 #include <mutex>
@@ -157,6 +158,33 @@ Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object nu
   return Impl{num_heads, head_size, scale, kvh, kv_cache_dtype, at};
 }
 
+// An int attribute at obj.a.b, or -1 where either is missing or not an int (start-up only).
+int64_t int_attr_or(py::handle obj, const char* a, const char* b) {
+  if (!py::hasattr(obj, a)) return -1;
+  py::object inner = obj.attr(a);
+  if (inner.is_none() || !py::hasattr(inner, b)) return -1;
+  py::object v = inner.attr(b);
+  if (!py::isinstance<py::int_>(v) || py::isinstance<py::bool_>(v)) return -1;
+  return v.cast<int64_t>();
+}
+
+// Compressed mode's default pool: the worst-case union of one row's selections for each of the scheduler's rows
+// (vllm_config.scheduler_config.max_num_seqs, as vLLM's own metadata builders read it, e.g.
+// vllm/v1/attention/backends/b12x.py:412), so a full batch's selections stay resident together instead of evicting
+// each other every step; capped by memory at the KV cache's block count (vllm_config.cache_config.num_gpu_blocks,
+// set before the metadata builders are made: vllm/v1/worker/gpu_worker.py:857), which no pool needs to exceed and
+// which bounds the pool's bytes by the KV cache's; never below one row's union (what the engine requires) or 256.
+// Where vLLM's config lacks either figure, one row's union.
+int64_t compressed_default_pool(int64_t union_blocks, py::handle vllm_config) {
+  const int64_t one_row = std::max(kDefaultPoolBlocks, union_blocks);
+  const int64_t seqs = int_attr_or(vllm_config, "scheduler_config", "max_num_seqs");
+  const int64_t kv_blocks = int_attr_or(vllm_config, "cache_config", "num_gpu_blocks");
+  if (seqs < 1 || kv_blocks < 1) return one_row;
+  const int64_t want = seqs > std::numeric_limits<int64_t>::max() / union_blocks ? std::numeric_limits<int64_t>::max()
+                                                                                  : seqs * union_blocks;
+  return std::max(one_row, std::min(want, kv_blocks));
+}
+
 std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std::vector<std::string>& layer_names,
                                             py::handle vllm_config, at::Device device) {
   const auto block_size = kv_cache_spec.attr("block_size").cast<int64_t>();
@@ -190,9 +218,8 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
   cfg.budget_tokens = option_int(opts, "budget_tokens", cfg.budget_tokens);
   cfg.sink_blocks = option_int(opts, "sink_blocks", cfg.sink_blocks);
   cfg.recent_blocks = option_int(opts, "recent_blocks", cfg.recent_blocks);
-  // Compressed mode's default pool holds the worst-case union of one row's selections (and never less than 256).
   const int64_t default_pool = cfg.mode == activekv::Mode::kCompressed
-                                   ? std::max(kDefaultPoolBlocks, activekv::worst_case_union_blocks(cfg))
+                                   ? compressed_default_pool(activekv::worst_case_union_blocks(cfg), vllm_config)
                                    : kDefaultPoolBlocks;
   cfg.pool_blocks = option_int(opts, "pool_blocks", default_pool);
   TORCH_CHECK_VALUE(cfg.pool_blocks >= 1, "additional_config['activekv']['pool_blocks'] must be >= 1, got ",

@@ -1,5 +1,11 @@
 #include <activekv/admission.h>
 #include <activekv/check.h>
+#include <activekv/cpu_kernel.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#include <limits>
 
 namespace activekv {
 
@@ -115,22 +121,65 @@ void reset_page_table(LayerState& layer) {
 
 namespace activekv {
 
-at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
-                         const at::Tensor& row_blocks, const Selection& sel) {
-  const int64_t nb = row_blocks.size(0), kvh = key_min.size(1), d = key_min.size(2);
-  const int64_t g = q.size(1) / kvh;
-  const int64_t cand = nb - sel.sink_blocks - sel.recent_blocks;
-  AKV_CHECK_VALUE(cand > sel.top_k, "a selecting row needs more than sink + recent + k = ", sel.per_head(),
-                  " blocks, got ", nb);
-  auto ids = row_blocks.narrow(0, sel.sink_blocks, cand);
+at::Tensor quest_scores(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                        const at::Tensor& ids) {
+  const int64_t kvh = key_min.size(1), d = key_min.size(2), g = q.size(1) / kvh;
   auto kmin = key_min.index_select(0, ids).permute({1, 2, 0});  // [KVH, D, C]
   auto kmax = key_max.index_select(0, ids).permute({1, 2, 0});  // [KVH, D, C]
   auto qf = q.to(at::kFloat).reshape({kvh, g, d});                // [KVH, G, D]
   // sum_d max(q_d * min_d, q_d * max_d) = relu(q) . max + min(q, 0) . min  (max_d >= min_d)
   auto bound = at::add(at::matmul(qf.clamp_min(0.0), kmax), at::matmul(qf.clamp_max(0.0), kmin));  // [KVH, G, C]
-  auto score = bound.amax(1);                                                                       // [KVH, C]
-  auto order = std::get<1>(at::sort(score, /*stable=*/true, /*dim=*/1, /*descending=*/true));
-  auto top = std::get<0>(at::sort(order.narrow(1, 0, sel.top_k), /*stable=*/true, /*dim=*/1, /*descending=*/false));
+  return bound.amax(1);                                                                             // [KVH, C]
+}
+
+at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                               const at::Tensor& ids) {
+  RECORD_FUNCTION("activekv::quest_scores_native", std::vector<c10::IValue>());  // named in torch.profiler tables
+  const int64_t kvh = key_min.size(1), d = key_min.size(2), g = q.size(1) / kvh, c = ids.size(0);
+  TORCH_INTERNAL_ASSERT(key_min.is_cpu() && key_min.is_contiguous() && key_max.is_contiguous() &&
+                        key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat);
+  auto qf = q.to(at::kFloat).reshape({kvh * g, d});
+  auto q_pos = qf.clamp_min(0.0).contiguous(), q_neg = qf.clamp_max(0.0).contiguous();
+  auto blocks = ids.to(at::kLong).contiguous();
+  auto score = at::empty({kvh, c}, q.options().dtype(at::kFloat));
+  QuestArgs a;
+  a.num_kv_heads = kvh;
+  a.group = g;
+  a.head_size = d;
+  a.q_pos = q_pos.data_ptr<float>();
+  a.q_neg = q_neg.data_ptr<float>();
+  a.key_min = key_min.data_ptr<float>();
+  a.key_max = key_max.data_ptr<float>();
+  a.blocks = blocks.data_ptr<int64_t>();
+  a.num_blocks = c;
+  a.score = score.data_ptr<float>();
+  // Each block's score is computed by one thread in a fixed order: the same for any thread count.
+  at::parallel_for(0, c, 64, [&](int64_t begin, int64_t end) { quest_scores_cpu(a, begin, end); });
+  return score;
+}
+
+at::Tensor top_blocks(const at::Tensor& score, int64_t k) {
+  // NaN scores (from non-finite key metadata) rank first, as +inf, so exactly k blocks are chosen per head.
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  auto s = at::nan_to_num(score, kInf, kInf, -kInf);
+  auto kth = std::get<0>(at::topk(s, k, /*dim=*/1, /*largest=*/true, /*sorted=*/true)).narrow(1, k - 1, 1);
+  auto above = s.gt(kth);
+  auto tied = s.eq(kth);
+  auto room = above.sum(1, /*keepdim=*/true).neg().add(k);  // tied blocks still to take, lowest position first
+  auto chosen = above.logical_or(tied.logical_and(tied.cumsum(1).le(room)));
+  return chosen.nonzero().select(1, 1).reshape({score.size(0), k});  // row-major: ascending per head
+}
+
+at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                         const at::Tensor& row_blocks, const Selection& sel, bool native_scores) {
+  RECORD_FUNCTION("activekv::select_blocks", std::vector<c10::IValue>());
+  const int64_t nb = row_blocks.size(0), kvh = key_min.size(1);
+  const int64_t cand = nb - sel.sink_blocks - sel.recent_blocks;
+  AKV_CHECK_VALUE(cand > sel.top_k, "a selecting row needs more than sink + recent + k = ", sel.per_head(),
+                  " blocks, got ", nb);
+  auto ids = row_blocks.narrow(0, sel.sink_blocks, cand);
+  auto score = native_scores ? quest_scores_native(q, key_min, key_max, ids) : quest_scores(q, key_min, key_max, ids);
+  auto top = top_blocks(score, sel.top_k);
   auto opts = at::TensorOptions().dtype(at::kLong).device(q.device());
   auto sinks = at::arange(0, sel.sink_blocks, opts).expand({kvh, sel.sink_blocks});
   auto recents = at::arange(nb - sel.recent_blocks, nb, opts).expand({kvh, sel.recent_blocks});

@@ -39,6 +39,14 @@ void attend_blocks_cpu(const AttendArgs& args) {
   }
 }
 
+void quest_scores_cpu(const QuestArgs& args, int64_t begin, int64_t end) {
+  switch (capability()) {
+    case Cap::kAvx512: return cpu_kernel::AVX512::quest_scores(args, begin, end);
+    case Cap::kAvx2: return cpu_kernel::AVX2::quest_scores(args, begin, end);
+    case Cap::kDefault: return cpu_kernel::DEFAULT::quest_scores(args, begin, end);
+  }
+}
+
 const char* cpu_kernel_capability() {
   switch (capability()) {
     case Cap::kAvx512: return "avx512";

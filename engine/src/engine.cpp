@@ -313,7 +313,7 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
   auto row_blocks = at::empty({nb}, at::TensorOptions().dtype(at::kLong));
   std::copy(row, row + nb, row_blocks.data_ptr<int64_t>());
   auto pos = select_blocks(q, L.key_min, L.key_max, index_tensor(std::vector<int64_t>(row, row + nb), device_),
-                          selection_);  // [KVH, m] positions
+                          selection_, /*native_scores=*/use_native());  // [KVH, m] positions
   auto pos_cpu = pos.to(at::kCPU).contiguous();
   const int64_t* pp = pos_cpu.data_ptr<int64_t>();
   // The pool admits the union of the heads' blocks, in position order, all pinned while the row attends.

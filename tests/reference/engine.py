@@ -129,21 +129,37 @@ def tiled_attention(q: torch.Tensor, kv: torch.Tensor, seq_len: int, tile_blocks
     return ungroup_output(torch.div(st[2], st[1]), lq)
 
 
-def select_blocks(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, row_blocks: torch.Tensor,
-                  sink_blocks: int, recent_blocks: int, top_k: int) -> torch.Tensor:
-    """Quest selection of one decode row -> int64 [KVH, sink + k + recent] positions (admission.cpp select_blocks)."""
-    nb = row_blocks.shape[0]
+def quest_scores(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Quest bound of candidate blocks -> float32 [KVH, C] (admission.cpp quest_scores)."""
     kvh, d = key_min.shape[1], key_min.shape[2]
     g = q.shape[1] // kvh
-    cand = nb - sink_blocks - recent_blocks
-    ids = row_blocks.narrow(0, sink_blocks, cand)
     kmin = key_min.index_select(0, ids).permute(1, 2, 0)
     kmax = key_max.index_select(0, ids).permute(1, 2, 0)
     qf = q.to(torch.float32).reshape(kvh, g, d)
     bound = torch.add(torch.matmul(qf.clamp_min(0.0), kmax), torch.matmul(qf.clamp_max(0.0), kmin))
-    score = bound.amax(1)
-    order = torch.sort(score, stable=True, dim=1, descending=True)[1]
-    top = torch.sort(order.narrow(1, 0, top_k), stable=True, dim=1, descending=False)[0]
+    return bound.amax(1)
+
+
+def top_blocks(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k highest scores per head, ties by lowest position, ascending (admission.cpp top_blocks)."""
+    inf = float("inf")
+    s = torch.nan_to_num(score, inf, inf, -inf)
+    kth = torch.topk(s, k, dim=1, largest=True, sorted=True)[0].narrow(1, k - 1, 1)
+    above = s.gt(kth)
+    tied = s.eq(kth)
+    room = above.sum(1, keepdim=True).neg().add(k)
+    chosen = above.logical_or(tied.logical_and(tied.cumsum(1).le(room)))
+    return chosen.nonzero().select(1, 1).reshape(score.shape[0], k)
+
+
+def select_blocks(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, row_blocks: torch.Tensor,
+                  sink_blocks: int, recent_blocks: int, top_k: int) -> torch.Tensor:
+    """Quest selection of one decode row -> int64 [KVH, sink + k + recent] positions (admission.cpp select_blocks)."""
+    nb = row_blocks.shape[0]
+    kvh = key_min.shape[1]
+    cand = nb - sink_blocks - recent_blocks
+    ids = row_blocks.narrow(0, sink_blocks, cand)
+    top = top_blocks(quest_scores(q, key_min, key_max, ids), top_k)
     sinks = torch.arange(0, sink_blocks, dtype=torch.int64, device=q.device).expand(kvh, sink_blocks)
     recents = torch.arange(nb - recent_blocks, nb, dtype=torch.int64, device=q.device).expand(kvh, recent_blocks)
     return torch.cat([sinks, top.add(sink_blocks), recents], 1)

@@ -12,9 +12,12 @@
 /// k = floor(budget_tokens / block_size) - sink_blocks - recent_blocks. The bound is Quest's page-criticality estimate
 /// (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024): for each
 /// dimension the larger of q_d * min_d and q_d * max_d, summed, i.e. relu(q) . max + min(q, 0) . min, computed as two
-/// batched matmuls. GQA: a KV head scores a block by the maximum of its query heads' bounds. Ties break by lowest
-/// block index (a stable descending sort). The pool admits the union of the heads' blocks; each head attends only to
-/// its own. Prefill rows and rows within the budget run exactly as exact mode.
+/// batched matmuls (or, with the native kernel on CPU, by the fused kernel of cpu_kernel.h reading the metadata in place).
+/// GQA: a KV head scores a block by the maximum of its query heads' bounds. Ties break by lowest block index: the
+/// chosen set is the one a stable descending sort would take first, found with one partial top-k (`at::topk`) for the
+/// k-th score, then every block above it and the lowest-positioned blocks equal to it. The pool admits the union of
+/// the heads' blocks; each head attends only to its own. Prefill rows and rows within the budget run exactly as exact
+/// mode.
 #include <activekv/kv_state.h>
 
 #include <cstdint>
@@ -69,8 +72,25 @@ struct Selection {
 /// @param q [1, num_heads, head_size] the row's query (any float dtype; scored in float32)
 /// @param key_min, key_max [host_blocks, num_kv_heads, head_size] float32 per-block key metadata of the layer
 /// @param row_blocks [num_blocks] int64 the row's block ids in position order, num_blocks > sel.per_head()
+/// @param native_scores score with the CPU kernel (quest_scores_native; key metadata on CPU, contiguous) instead of
+///        the ATen ops the reference repeats (quest_scores)
 /// @return [num_kv_heads, sel.per_head()] int64 block positions (indices into row_blocks), ascending per head
+/// @throws c10::ValueError if num_blocks <= sel.per_head()
 at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
-                         const at::Tensor& row_blocks, const Selection& sel);
+                         const at::Tensor& row_blocks, const Selection& sel, bool native_scores = false);
+
+/// Quest bound of candidate blocks with ATen ops: [num_kv_heads, C] float32 for q [1, num_heads, head_size] and
+/// ids [C] int64 block ids (rows of key_min / key_max). The bit-exact path the reference repeats.
+at::Tensor quest_scores(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                        const at::Tensor& ids);
+
+/// The same bound computed by the CPU kernel (cpu_kernel.h QuestArgs), reading key_min / key_max in place: equal to
+/// quest_scores within float32 rounding (a different summation order). CPU, contiguous float32 metadata.
+at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                               const at::Tensor& ids);
+
+/// Positions of the k highest scores per row of score [num_kv_heads, C], ties by lowest position, ascending:
+/// [num_kv_heads, k] int64. NaN ranks as +inf.
+at::Tensor top_blocks(const at::Tensor& score, int64_t k);
 
 }  // namespace activekv

@@ -35,14 +35,35 @@ struct AttendArgs {
 /// Run the kernel of the best available capability.
 void attend_blocks_cpu(const AttendArgs& args);
 
+/// Compressed mode's native scoring: the Quest bound (Tang et al., ICML 2024) of a decode row's candidate blocks for
+/// every KV head, read in place from the layer's key metadata (no gather copy), the blocks split over ATen's threads.
+/// score[h, c] = max over the GQA group's query heads i of sum_d (relu(q_i,d) * max_d + min(q_i,d, 0) * min_d), the
+/// same bound as the ATen path (admission.cpp quest_scores) summed in a different order (vectorised fused
+/// multiply-adds): equal to it within float32 rounding, identical run to run and for any thread count.
+struct QuestArgs {
+  int64_t num_kv_heads = 0;
+  int64_t group = 0;            ///< query heads per KV head
+  int64_t head_size = 0;
+  const float* q_pos = nullptr;  ///< [num_kv_heads * group, head_size] float32, relu(q)
+  const float* q_neg = nullptr;  ///< [num_kv_heads * group, head_size] float32, min(q, 0)
+  const float* key_min = nullptr;  ///< [host_blocks, num_kv_heads, head_size] float32, contiguous
+  const float* key_max = nullptr;  ///< same shape as key_min
+  const int64_t* blocks = nullptr;  ///< [num_blocks] block ids (rows of key_min / key_max)
+  int64_t num_blocks = 0;
+  float* score = nullptr;  ///< [num_kv_heads, num_blocks] float32 (out)
+};
+
+/// Score the blocks [begin, end) of `args` with the best available capability (one thread; see quest_scores).
+void quest_scores_cpu(const QuestArgs& args, int64_t begin, int64_t end);
+
 /// The capability attend_blocks_cpu uses: "avx512", "avx2" or "default".
 const char* cpu_kernel_capability();
 
 namespace cpu_kernel {
 // One definition per capability (engine/src/cpu/attend_kernel.cpp compiled three times).
-namespace DEFAULT { void attend_blocks(const AttendArgs& args); }
-namespace AVX2 { void attend_blocks(const AttendArgs& args); }
-namespace AVX512 { void attend_blocks(const AttendArgs& args); }
+namespace DEFAULT { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); }
+namespace AVX2 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); }
+namespace AVX512 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); }
 }  // namespace cpu_kernel
 
 }  // namespace activekv

@@ -111,5 +111,34 @@ void attend_blocks(const AttendArgs& args) {
   }
 }
 
+void quest_scores(const QuestArgs& a, int64_t begin, int64_t end) {
+  const int64_t kvh = a.num_kv_heads, g = a.group, d = a.head_size;
+  for (int64_t c = begin; c < end; ++c) {
+    const float* mn_b = a.key_min + a.blocks[c] * kvh * d;
+    const float* mx_b = a.key_max + a.blocks[c] * kvh * d;
+    for (int64_t h = 0; h < kvh; ++h) {
+      const float* mn = mn_b + h * d;
+      const float* mx = mx_b + h * d;
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < g; ++i) {
+        const float* qp = a.q_pos + (h * g + i) * d;
+        const float* qn = a.q_neg + (h * g + i) * d;
+        int64_t j = 0;
+        Vec s(0.f);
+        for (; j + Vec::size() <= d; j += Vec::size()) {
+          s = at::vec::fmadd(Vec::loadu(qp + j), Vec::loadu(mx + j), s);
+          s = at::vec::fmadd(Vec::loadu(qn + j), Vec::loadu(mn + j), s);
+        }
+        float r = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s);
+        for (; j < d; ++j) r += qp[j] * mx[j] + qn[j] * mn[j];
+        // NaN (only from non-finite key metadata) ranks first, as in the ATen path's max over the group
+        best = (std::isnan(r) || r > best) ? r : best;
+        if (std::isnan(best)) break;
+      }
+      a.score[h * a.num_blocks + c] = best;
+    }
+  }
+}
+
 }  // namespace CPU_CAPABILITY
 }  // namespace activekv::cpu_kernel
