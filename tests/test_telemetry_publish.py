@@ -42,6 +42,9 @@ CHILD = textwrap.dedent(
         os.setsid()
         if os.fork() > 0:
             os._exit(0)
+        devnull = os.open(os.devnull, os.O_RDWR)  # let the caller's pipes close: it waits for their EOF
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
         engine = make_engine()
         cache = drive(engine)
         os.write(w, f"READY {os.getpid()}\\n".encode())
@@ -100,7 +103,7 @@ def test_a_killed_child_segment_is_removed_and_unrelated_processes_are_ignored(s
     assert len(list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob(f"activekv-telemetry.{pid}.*"))) == 1
     assert child_snapshots(pid) == []  # dead: skipped, and its segment removed
     assert list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob(f"activekv-telemetry.{pid}.*")) == []
-    daemon = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env={**seg_dir, "DAEMON": "1", "HOLD": "20"},
+    daemon = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env={**seg_dir, "DAEMON": "1", "HOLD": "600"},
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     dpid = int(daemon.stdout.split()[1])
     try:
@@ -213,3 +216,29 @@ def test_telemetry_json_is_written_at_exit_for_a_live_engine(tmp_path: Path) -> 
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["info"]["num_layers"] == 1
+
+
+def test_telemetry_json_of_a_child_that_ends_with_os_exit_is_written_by_its_ancestor(
+    seg_dir: dict[str, str], tmp_path: Path
+) -> None:
+    # vLLM's engine-core process ends with os._exit: no destructor, no atexit. The segment keeps the final values and
+    # the ancestor's reader (the API server's collector) writes the file when it finds the process gone.
+    out = tmp_path / "engine-core.json"
+    code = textwrap.dedent(
+        f"""
+        import os, torch
+        import activekv._backend as backend
+        from tests.test_telemetry_publish import SPEC, vllm_config
+        b = backend.Builder(SPEC, ["l0", "l1", "l2"], vllm_config({{"telemetry_json": {str(out)!r}}}),
+                            torch.device("cpu"))
+        os._exit(0)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=seg_dir, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not out.exists()
+    assert len(list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob("activekv-telemetry.*"))) == 1
+    telemetry.process_tree_snapshots()
+    assert json.loads(out.read_text())["info"]["num_layers"] == 3
+    assert list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob("activekv-telemetry.*")) == []

@@ -251,6 +251,7 @@ PYBIND11_MODULE(_telemetry, m) {
                          "labelled with the served model name; record() and log_engine_initialized() do nothing: the "
                          "values are read from the engines at scrape time, never pushed per step.")
       .def(py::init([](py::object vllm_config, py::object engine_indexes, py::object registry_getter) {
+             activekv::collect_ended_descendants_at_exit();  // telemetry_json of engine-core processes
              py::object registry = registry_getter();
              py::object collector = py::cast(Collector{model_labels(vllm_config)});
              try {

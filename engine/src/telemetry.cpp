@@ -25,6 +25,8 @@ constexpr int kCounters = static_cast<int>(Counter::kCount);
 constexpr int kHistograms = 2;  // forward_latency_us, blocks_admitted_per_forward
 constexpr int kInfoSlots = 16;
 constexpr int kInfoKey = 40;
+constexpr int kAncestors = 8;
+constexpr int kJsonPath = 1024;
 const char* const kHistogramNames[kHistograms] = {"forward_latency_us", "blocks_admitted_per_forward"};
 constexpr const char* kSegmentPrefix = "activekv-telemetry.";
 
@@ -37,6 +39,9 @@ struct TelemetryPage {
   int64_t pid;
   int64_t start_ticks;  ///< /proc/<pid>/stat field 22: tells a live process from a reused pid
   int64_t engine_id;
+  int64_t ancestors[kAncestors];  ///< parent, grandparent, ... at creation (0 past the top): who may write its JSON
+  std::atomic<int32_t> json_path_len;  ///< > 0 once json_path holds the telemetry_json option's path
+  char json_path[kJsonPath];
   std::atomic<int64_t> counters[kCounters];
   struct Hist {
     std::atomic<int64_t> counts[Histogram::kBuckets];
@@ -55,7 +60,8 @@ namespace {
 
 constexpr uint64_t kLayout = static_cast<uint64_t>(kCounters) | (static_cast<uint64_t>(kHistograms) << 16) |
                              (static_cast<uint64_t>(Histogram::kBuckets) << 24) |
-                             (static_cast<uint64_t>(kInfoSlots) << 40);
+                             (static_cast<uint64_t>(kInfoSlots) << 40) | (static_cast<uint64_t>(kAncestors) << 48) |
+                             (uint64_t{2} << 56);  // layout version
 
 struct Registry {
   std::mutex mu;
@@ -63,13 +69,15 @@ struct Registry {
   std::map<int64_t, const Telemetry*> live;
   std::map<std::string, std::vector<TelemetrySnapshot>> ended;  ///< json path -> snapshots of destroyed engines
   bool atexit_registered = false;
+  bool reader_atexit_registered = false;
 };
 Registry& registry() {
   static Registry* r = new Registry();  // never destroyed: engines may outlive static destruction order
   return *r;
 }
 
-/// (ppid, start time) of a process from /proc/<pid>/stat; false when it does not exist.
+/// (ppid, start time) of a live process from /proc/<pid>/stat; false when it does not exist or is a zombie (it has
+/// exited and waits to be reaped).
 bool proc_stat(int64_t pid, int64_t* ppid, int64_t* start_ticks) {
   std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
   std::string line;
@@ -79,6 +87,7 @@ bool proc_stat(int64_t pid, int64_t* ppid, int64_t* start_ticks) {
   std::istringstream rest(line.substr(close + 2));
   std::string field;
   for (int i = 3; i <= 22 && rest >> field; ++i) {  // fields after ')' start at 3 (state)
+    if (i == 3 && (field == "Z" || field == "X")) return false;
     if (i == 4) *ppid = std::atoll(field.c_str());
     if (i == 22) {
       *start_ticks = std::atoll(field.c_str());
@@ -104,6 +113,13 @@ void init_page(TelemetryPage* p, int64_t engine_id) {
   int64_t ppid = 0, start = 0;
   p->start_ticks = proc_stat(p->pid, &ppid, &start) ? start : -1;
   p->engine_id = engine_id;
+  int64_t up = p->pid;
+  for (int i = 0; i < kAncestors && up > 1; ++i) {
+    int64_t parent = 0, ignored = 0;
+    if (!proc_stat(up, &parent, &ignored)) break;
+    p->ancestors[i] = parent;
+    up = parent;
+  }
   p->magic.store(TelemetryPage::kMagic, std::memory_order_release);
 }
 
@@ -180,10 +196,7 @@ std::string json_double(double v) {
   return buf;
 }
 
-void write_json_locked(Registry& r, const std::string& path) {
-  std::vector<TelemetrySnapshot> all = r.ended[path];
-  for (const auto& [id, t] : r.live)
-    if (t->json_path() == path) all.push_back(t->snapshot());
+void write_json_file(const std::string& path, const std::vector<TelemetrySnapshot>& all) {
   const std::string text = snapshot_to_json(merge_snapshots(all));
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   {
@@ -195,6 +208,13 @@ void write_json_locked(Registry& r, const std::string& path) {
   }
   TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
               std::strerror(errno));
+}
+
+void write_json_locked(Registry& r, const std::string& path) {
+  std::vector<TelemetrySnapshot> all = r.ended[path];
+  for (const auto& [id, t] : r.live)
+    if (t->json_path() == path) all.push_back(t->snapshot());
+  write_json_file(path, all);
 }
 
 void write_all_json_at_exit() {
@@ -347,6 +367,10 @@ void Telemetry::set_json_path(const std::string& path) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   json_path_ = path;
+  if (path.size() < static_cast<size_t>(kJsonPath)) {  // a longer path is written by this process only
+    std::memcpy(page_->json_path, path.c_str(), path.size() + 1);
+    page_->json_path_len.store(static_cast<int32_t>(path.size()), std::memory_order_release);
+  }
   if (!path.empty() && !r.atexit_registered) {
     std::atexit(write_all_json_at_exit);
     r.atexit_registered = true;
@@ -418,6 +442,7 @@ std::vector<PublishedTelemetry> snapshot_process_tree() {
     if (std::strncmp(e->d_name, kSegmentPrefix, std::strlen(kSegmentPrefix)) == 0) names.emplace_back(e->d_name);
   }
   ::closedir(d);
+  std::map<std::string, std::vector<TelemetrySnapshot>> orphans;  // json path -> final snapshots of ended engines
   for (const auto& name : names) {
     const std::string path = dir + "/" + name;
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -433,12 +458,34 @@ std::vector<PublishedTelemetry> snapshot_process_tree() {
         page->pid != self) {
       int64_t ppid = 0, start = 0;
       if (!proc_stat(page->pid, &ppid, &start) || start != page->start_ticks) {
-        ::unlink(path.c_str());  // its process is gone (or the pid now names another process)
+        // Its process is gone (or the pid names another process now) without destroying the engine: vLLM's engine
+        // core ends with os._exit. The page holds the final values: when the engine asked for telemetry_json and
+        // this process is its ancestor, write them now; a segment whose ancestors are all gone is removed too.
+        const int32_t len = page->json_path_len.load(std::memory_order_acquire);
+        bool ours = false, orphaned = true;
+        for (int i = 0; i < kAncestors && page->ancestors[i] > 0; ++i) {
+          ours = ours || page->ancestors[i] == self;
+          int64_t p2 = 0, s2 = 0;
+          if (page->ancestors[i] > 1 && proc_stat(page->ancestors[i], &p2, &s2)) orphaned = false;
+        }
+        if (len > 0 && len < kJsonPath && ours) {
+          orphans[std::string(page->json_path, len)].push_back(read_page(*page));
+          ::unlink(path.c_str());
+        } else if (len <= 0 || orphaned) {
+          ::unlink(path.c_str());
+        }
       } else if (descends_from(page->pid, self)) {
         out.push_back({page->pid, page->engine_id, read_page(*page)});
       }
     }
     ::munmap(mem, sizeof(TelemetryPage));
+  }
+  for (const auto& [json_path, snaps] : orphans) {
+    try {
+      write_json_file(json_path, snaps);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "activekv: %s\n", e.what());
+    }
   }
   std::sort(out.begin(), out.end(), [](const PublishedTelemetry& a, const PublishedTelemetry& b) {
     return a.pid != b.pid ? a.pid < b.pid : a.engine_id < b.engine_id;
@@ -465,6 +512,14 @@ std::string snapshot_to_json(const TelemetrySnapshot& s) {
     o << (i ? ", " : "") << json_string(s.info[i].first) << ": " << s.info[i].second;
   o << "}}";
   return o.str();
+}
+
+void collect_ended_descendants_at_exit() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.reader_atexit_registered) return;
+  r.reader_atexit_registered = true;
+  std::atexit([] { snapshot_process_tree(); });
 }
 
 void write_telemetry_json(const std::string& path) {

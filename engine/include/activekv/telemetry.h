@@ -94,7 +94,8 @@ class Telemetry {
   /// could not be created).
   const std::string& segment_path() const { return segment_path_; }
   /// Write the telemetry of the engines of this process that share `path` (see write_telemetry_json) when this
-  /// engine is destroyed and when the process exits normally. Empty: never.
+  /// engine is destroyed and when the process exits normally; when the process ends otherwise (os._exit), an
+  /// ancestor process's snapshot_process_tree() writes it from the segment. Empty: never.
   void set_json_path(const std::string& path);
   const std::string& json_path() const { return json_path_; }
 
@@ -128,9 +129,15 @@ struct PublishedTelemetry {
 
 /// The telemetry of every live engine of this process (from memory) and of every process descended from it (from
 /// their segments in telemetry_dir()), ordered by (pid, engine id). Segments whose process is gone (or whose pid
-/// was reused: the start time differs) are removed; segments of unrelated processes are ignored. Never throws on a
-/// bad segment: it is skipped.
+/// was reused: the start time differs) are removed; when such an engine set telemetry_json and this process is one
+/// of its ancestors, its final values (the segment outlives the process) are written to that file first, merged
+/// per path. Segments of unrelated live processes are ignored. Never throws on a bad segment: it is skipped.
 std::vector<PublishedTelemetry> snapshot_process_tree();
+
+/// At this process's normal exit, run snapshot_process_tree() once more, so that descendant engines that ended
+/// with their process (never destroyed) and asked for telemetry_json get their file written (the API server calls
+/// this: vLLM's engine-core process ends with os._exit, which runs no destructor and no atexit handler).
+void collect_ended_descendants_at_exit();
 
 /// The snapshot as one JSON object: {"counters": {...}, "histograms": {name: {"le": [...], "counts": [...],
 /// "count": n, "sum": s}}, "info": {...}} (the last `le` is the string "+Inf").
