@@ -4,6 +4,7 @@
 #include <activekv/telemetry.h>
 #include <activekv_py/common.h>
 
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 
@@ -67,8 +68,8 @@ py::dict labels_with(const py::dict& base, const char* key = nullptr, const std:
 std::string go_float(double v) {
   if (std::isinf(v)) return "+Inf";
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  std::string s = buf;
+  const auto res = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form, as Python's repr
+  std::string s(buf, res.ptr);
   // prometheus_client writes integral bounds as 1.0, 2.0, ...: keep the same label values.
   if (s.find_first_of(".e") == std::string::npos) s += ".0";
   return s;
