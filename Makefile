@@ -11,7 +11,7 @@ PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel audit intake test demo bench parity quality patch-vllm unpatch-vllm gpu-check cuda-check clean
+.PHONY: help venv build wheel audit intake test demo bench parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -70,6 +70,12 @@ parity: build ## every parity cell (exact + compressed), engine's ATen path vs t
 quality: build patch-vllm ## train the byte-level Llama if needed (tools/train_tiny.py), measure compressed mode, write docs/quality.md
 	$(PY) -m tools.train_tiny build/tiny-trained
 	$(PY) -m tools.quality --model build/tiny-trained
+
+census: venv ## print the dispatch census of the patch series: every call site in the Python it adds (docs/telemetry.md)
+	$(PY) -m tools.census
+
+proof: build patch-vllm ## generate with ActiveKV in vLLM and print the proof report (docs/telemetry.md)
+	$(PY) -m tools.proof
 
 CUDA_TOOLKIT := build/cuda-toolkit
 # CUDA 13.0, the CUDA of the device machine's torch 2.11+cu130: compiler wheels from PyPI, no GPU needed.

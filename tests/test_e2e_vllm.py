@@ -4,10 +4,18 @@ Each configuration runs in one in-process engine, started once per module and sh
 (fixtures `cpu_attn_run` and `activekv_run`); the tests assert on what those runs recorded. The ActiveKV cases skip,
 with the reason, only when `activekv._backend` does not import or vLLM lacks the ACTIVEKV backend; the CPU_ATTN
 step-count check always runs.
+
+The proof tests run `python -m tools.proof` in fresh processes (the serving process must be one that never imported
+the reference): native entry counts against vLLM's step count, no import of tests.reference, and a profile of the
+ActiveKV Python frames; then the control run with a planted Python frame and a planted reference import, which must
+fail those checks.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +26,8 @@ from tools.make_tiny_model import SPEC, make_tiny_model
 from tools.vllm_run import ACTIVEKV, CPU_ATTN, EngineConfig, Generation, VllmEngine, activekv_status, make_prompts
 
 pytestmark = pytest.mark.vllm
+
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPT_LENGTHS = (37, 200, 513, 64)
 MAX_TOKENS = 32
@@ -156,6 +166,46 @@ def test_activekv_native_calls_match_vllm_steps(activekv_run: Generation) -> Non
     assert tel["forward_calls"] == tel["num_layers"] * activekv_run.steps
     assert tel["kv_update_calls"] == tel["num_layers"] * activekv_run.steps
     assert tel["forward_skipped"] == 0
+
+
+def run_proof(tiny_model: str, plant: str = "") -> dict[str, Any]:
+    """`python -m tools.proof` in a fresh process (the serving process: engine core and worker run in it)."""
+    available, why = activekv_status()
+    if not available:
+        pytest.skip(why)
+    cmd = [sys.executable, "-m", "tools.proof", "--model", tiny_model, "--max-tokens", "8"]
+    done = subprocess.run(cmd + (["--plant", plant] if plant else []), cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    start = done.stdout.find("{\n")
+    assert start >= 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads(done.stdout[start:])
+    assert done.returncode == (0 if report["ok"] else 1)
+    return report
+
+
+def test_proof_native_code_is_the_code_that_ran(tiny_model: str) -> None:
+    report = run_proof(tiny_model)
+    assert report["ok"], report["checks"]
+    steps, layers = report["steps_vllm"], report["layers_model"]
+    assert steps == 8 and layers == NUM_LAYERS  # counted by vLLM and read from the model's config
+    assert report["native"] == {"build_calls": steps, "forward_calls": layers * steps,
+                                "kv_update_calls": layers * steps, "forward_skipped": 0}
+    assert report["reference_imports"] == []
+    assert report["foreign_frames"] == {} and report["python_frames_under_delegates"] == {}
+    names = {label.split()[-1]: n for label, n in report["delegate_frames"].items()}
+    assert names == {"build": steps, "forward": layers * steps, "do_kv_cache_update": layers * steps}
+    assert report["delegate_frames_per_step"] == 1 + 2 * layers
+
+
+def test_proof_control_run_with_planted_python_fails(tiny_model: str) -> None:
+    report = run_proof(tiny_model, "frame,reference")
+    assert not report["ok"]
+    checks = report["checks"]
+    assert checks["no ActiveKV Python frame but the delegates"] is False
+    assert checks["reference never imported"] is False
+    assert checks["build_calls == steps"] and checks["forward_calls == layers x steps"]  # only the plants differ
+    assert report["foreign_frames"] == {"activekv.py:1000 forward": NUM_LAYERS * report["steps_vllm"]}
+    assert "tests.reference.engine" in report["reference_imports"]
 
 
 def test_activekv_rejects_unknown_option_at_startup(tiny_model: str, cpu_attn_run: dict[str, StockRun]) -> None:

@@ -33,6 +33,7 @@ TOUCHED = [
     "vllm/v1/attention/backends/registry.py",
     "vllm/v1/attention/backends/activekv.py",
     "vllm/platforms/cpu.py",
+    "vllm/v1/metrics/activekv.py",
 ]
 NEW_MODULE = "vllm/v1/attention/backends/activekv.py"
 BACKEND_PATH = "vllm.v1.attention.backends.activekv.ActiveKVBackend"
@@ -111,7 +112,7 @@ def test_series_lists_every_numbered_patch_in_order(series: Series) -> None:
         assert head[3].startswith(f"Subject: [PATCH {i}/{len(names)}] activekv: ")
 
 
-def test_series_touches_exactly_the_three_files(series: Series) -> None:
+def test_series_touches_exactly_the_four_files(series: Series) -> None:
     assert sorted(series.touched_files()) == sorted(TOUCHED)
 
 
@@ -153,7 +154,7 @@ def test_tool_applies_to_installed_copy_like_git_am(installed: Path, am_tree: Pa
 
     done = tool("apply", "--vllm", str(installed))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("applied 3 patch(es)")
+    assert done.stdout.startswith("applied 4 patch(es)")
     after = digest(installed)
     assert after == digest(am_tree)
     assert {k for k in after if before.get(k) != after[k]} == set(TOUCHED)
@@ -182,7 +183,7 @@ def test_revert_restores_every_byte(installed: Path) -> None:
     assert digest(installed) != before
     done = tool("revert", "--vllm", str(installed))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("reverted 3 patch(es)")
+    assert done.stdout.startswith("reverted 4 patch(es)")
     assert digest(installed) == before
     assert not (installed / NEW_MODULE).exists()
     again = tool("revert", "--vllm", str(installed))
@@ -240,13 +241,13 @@ def test_failure_after_dry_run_restores_every_file(
 def test_partially_applied_is_reported_then_completed(installed: Path, series: Series) -> None:
     ok, out = vllm_patch.git_apply(installed, [series.patches[0]])
     assert ok, out
-    assert vllm_patch.patch_states(installed, series) == [State.APPLIED, State.NOT_APPLIED, State.NOT_APPLIED]
+    assert vllm_patch.patch_states(installed, series) == [State.APPLIED] + [State.NOT_APPLIED] * 3
     status = tool("status", "--vllm", str(installed))
     assert status.stdout.startswith("partially applied")
     assert tool("check", "--vllm", str(installed)).returncode == 1
     done = tool("apply", "--vllm", str(installed))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("applied 2 patch(es)")
+    assert done.stdout.startswith("applied 3 patch(es)")
     assert tool("check", "--vllm", str(installed)).returncode == 0
 
 

@@ -134,7 +134,7 @@ def test_the_fresh_venv_has_no_python_of_ours(fresh_venv: Path) -> None:
 
 def test_patch_apply_patched_the_fresh_venvs_vllm(server: dict) -> None:
     site = next((server["venv"] / "lib").glob("python3.*/site-packages")).resolve()
-    assert server["patched"].startswith(f"applied 3 patch(es) to {site}: ")
+    assert server["patched"].startswith(f"applied 4 patch(es) to {site}: ")
     check = subprocess.run([str(server["venv"] / "bin/activekv"), "patch", "check"], capture_output=True, text=True)
     assert (check.returncode, check.stdout) == (0, f"applied: vLLM 0.32.0 at {site}\n")
 

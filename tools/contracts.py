@@ -20,6 +20,7 @@ Schema (TOML)::
     line = "return _backend.name()" # its exact text, stripped
     kind = "framework-contract"     # framework-contract | delegation | convenience | async-protocol
     why = "..."                     # why vLLM needs this line
+    dispatch = "..."                # optional: why a call on this line is not a direct native call (tools.census)
     [contract.cites]                # the framework source line that requires it
     file = "vllm/model_executor/layers/attention/attention.py"
     line = 433                      # 1-based line number in the reference tree
@@ -33,15 +34,17 @@ Rules checked (each names itself in its messages):
 - citation: ``cites.file`` exists in the reference tree and its line ``cites.line``, stripped, equals ``cites.text``.
 - symbol: the cited text names, as a whole identifier, one of the line's key symbols: a ``def`` its name; a ``class``
   its base; a decorator the decorator (and the cited decorator decorates a method of the same name within 3 lines);
-  an import the imported name (an import of the native package ``activekv``: ``import_module``, the call through
-  which vLLM imports the backend module and with it the native one); an assignment its target (or, for
+  an import the imported name (an import of the native package ``activekv``: ``import_module`` or ``load``, the
+  call through which vLLM imports the module, from its registry path or its plugin entry point, and with it the
+  native one); an assignment its target (or, for
   ``self._native = ...``, the enclosing method; at class level also the enclosing class, e.g. the enum being
   extended); a ``return``/expression the enclosing function or the framework attribute it returns or calls; an
-  ``if`` a name in its condition; a ``raise`` the exception. ``self``, ``cls``, ``_backend`` and ``_native`` and the
-  names of native calls never count.
+  ``if`` a name in its condition; a ``raise`` the exception. ``self``, ``cls``, the native modules (``_backend``, ``_telemetry``) and
+  ``_native`` and the names of native calls never count.
 - one statement per line: each added line begins a whole statement (or is a decorator).
 - delegation (files the series creates): every line that is not a ``def``, ``class``, decorator or import is a
-  one-line delegation: ``return``/assignment/expression of a call into ``_backend`` or ``self._native`` whose
+  one-line delegation: ``return``/assignment/expression of a call into a native module (``_backend``,
+  ``_telemetry``) or ``self._native`` whose
   arguments are plain names or constants, a read of a ``self._native`` attribute, or a constant (literal, name,
   dotted name, tuple of these); no ``if``, loop, ``try``, ``with`` or computation.
 - routing (lines added to existing vLLM files): each line is a constant assignment, or has the statement type of the
@@ -71,8 +74,11 @@ SCHEMA = 1
 KINDS = ("framework-contract", "delegation", "convenience", "async-protocol")
 KEPT_KIND = "framework-contract"
 NATIVE_PACKAGE = "activekv"
-_IGNORED_SYMBOLS = frozenset({"self", "cls", "_backend", "_native"})
+# The native modules the added Python may call (each imported as ``from activekv import <name>``).
+NATIVE_MODULES = frozenset({"_backend", "_telemetry"})
+_IGNORED_SYMBOLS = frozenset({"self", "cls", "_native"}) | NATIVE_MODULES
 _CONTRACT_KEYS = {"patch": str, "file": str, "line": str, "kind": str, "why": str, "cites": dict}
+_OPTIONAL_KEYS = {"dispatch": str}
 _CITE_KEYS = {"file": str, "line": int, "text": str}
 _HUNK_RE = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
 _ASSIGN_TEXT_RE = re.compile(r"^[A-Za-z_][\w.]*(?:\[[^\]]*\])?\s*(?::[^=]*)?=(?!=)")
@@ -98,6 +104,7 @@ class Contract:
     kind: str
     cites: Cite
     why: str
+    dispatch: str = ""  # why a call on the line is not a direct native call (empty: every call is native)
 
     def label(self) -> str:
         return f"contract #{self.index} ({self.file}: {self.line!r})"
@@ -153,7 +160,7 @@ def load_contracts(path: Path) -> list[Contract]:
     contracts = []
     for index, entry in enumerate(raw, 1):
         where = f"contract #{index}"
-        entry_problems = _check_keys(entry, _CONTRACT_KEYS, where)
+        entry_problems = _check_keys(entry, _CONTRACT_KEYS, where, _OPTIONAL_KEYS)
         if not entry_problems:
             entry_problems += _check_keys(entry["cites"], _CITE_KEYS, f"{where} cites")
         if not entry_problems:
@@ -177,6 +184,7 @@ def load_contracts(path: Path) -> list[Contract]:
                     entry["kind"],
                     Cite(cite["file"], cite["line"], cite["text"]),
                     entry["why"],
+                    entry.get("dispatch", ""),
                 )
             )
     if problems:
@@ -184,14 +192,17 @@ def load_contracts(path: Path) -> list[Contract]:
     return contracts
 
 
-def _check_keys(table: object, spec: dict[str, type], where: str) -> list[str]:
+def _check_keys(
+    table: object, spec: dict[str, type], where: str, optional: dict[str, type] | None = None
+) -> list[str]:
     if not isinstance(table, dict):
         return [f"{where}: must be a table"]
+    optional = optional or {}
     problems = [f"{where}: missing key {key!r}" for key in spec if key not in table]
-    problems += [f"{where}: unknown key {key!r}" for key in table if key not in spec]
+    problems += [f"{where}: unknown key {key!r}" for key in table if key not in spec and key not in optional]
     problems += [
         f"{where}: {key} must be {typ.__name__}, got {type(table[key]).__name__}"
-        for key, typ in spec.items()
+        for key, typ in {**spec, **optional}.items()
         if key in table and (not isinstance(table[key], typ) or (typ is int and isinstance(table[key], bool)))
     ]
     return problems
@@ -261,7 +272,7 @@ def _chain(node: ast.AST) -> list[str] | None:
 def _native_rooted(node: ast.AST) -> bool:
     """A dotted name starting at ``_backend`` or ``self._native``."""
     parts = _chain(node)
-    return parts is not None and (parts[0] == "_backend" or parts[:2] == ["self", "_native"])
+    return parts is not None and (parts[0] in NATIVE_MODULES or parts[:2] == ["self", "_native"])
 
 
 def _framework_names(value: ast.AST | None) -> set[str]:
@@ -284,7 +295,7 @@ def _import_symbols(node: ast.Import | ast.ImportFrom) -> set[str]:
     else:
         roots = {a.name.split(".")[0] for a in node.names}
         names = {a.asname or a.name.split(".")[-1] for a in node.names}
-    return {"import_module"} if NATIVE_PACKAGE in roots else names
+    return {"import_module", "load"} if NATIVE_PACKAGE in roots else names
 
 
 def _symbols(info: LineInfo) -> set[str]:

@@ -14,6 +14,8 @@
 #include <mutex>
 #include <set>
 #include <unordered_map>
+#include <sys/stat.h>
+#include <unistd.h>
 
 namespace py = pybind11;
 using activekv::Engine;
@@ -83,7 +85,7 @@ std::string layer_name(const py::handle& layer) {
 
 const std::set<std::string>& builder_option_keys() {
   static const std::set<std::string> keys{"mode",          "pool_blocks", "tile_blocks",  "kernel",
-                                          "budget_tokens", "sink_blocks", "recent_blocks"};
+                                          "budget_tokens", "sink_blocks", "recent_blocks", "telemetry_json"};
   return keys;
 }
 
@@ -117,7 +119,7 @@ py::dict activekv_options(const py::handle& vllm_config) {
     const auto key = py::str(item.first).cast<std::string>();
     TORCH_CHECK_VALUE(builder_option_keys().count(key), "unknown ActiveKV option additional_config['activekv']['",
                       key, "']; known options: mode, pool_blocks, tile_blocks, kernel, budget_tokens, sink_blocks, "
-                      "recent_blocks");
+                      "recent_blocks, telemetry_json");
   }
   return od;
 }
@@ -200,7 +202,7 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
   const auto num_heads =
       model_config.attr("get_num_attention_heads")(vllm_config.attr("parallel_config")).cast<int64_t>();
   py::dict opts = activekv_options(vllm_config);
-  for (const char* key : {"mode", "kernel"}) {
+  for (const char* key : {"mode", "kernel", "telemetry_json"}) {
     if (!opts.contains(key)) continue;
     py::object v = opts[key];
     TORCH_CHECK_TYPE(py::isinstance<py::str>(v), "additional_config['activekv']['", key, "'] must be a str, got ",
@@ -224,7 +226,21 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
   cfg.pool_blocks = option_int(opts, "pool_blocks", default_pool);
   TORCH_CHECK_VALUE(cfg.pool_blocks >= 1, "additional_config['activekv']['pool_blocks'] must be >= 1, got ",
                     cfg.pool_blocks);
+  std::string telemetry_json;
+  if (opts.contains("telemetry_json")) {
+    telemetry_json = opts["telemetry_json"].cast<std::string>();
+    TORCH_CHECK_VALUE(!telemetry_json.empty() && telemetry_json.back() != '/',
+                      "additional_config['activekv']['telemetry_json'] must be a file path, got '", telemetry_json,
+                      "'");
+    const auto slash = telemetry_json.rfind('/');
+    const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : telemetry_json.substr(0, slash);
+    struct stat st {};
+    TORCH_CHECK_VALUE(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(dir.c_str(), W_OK) == 0,
+                      "additional_config['activekv']['telemetry_json']: directory '", dir,
+                      "' must exist and be writable, got '", telemetry_json, "'");
+  }
   auto engine = std::make_shared<Engine>(cfg, device);
+  if (!telemetry_json.empty()) engine->telemetry().set_json_path(telemetry_json);
   engine->set_layer_names(layer_names);
   register_layers(engine, layer_names);
   return engine;

@@ -1,12 +1,165 @@
-// activekv._telemetry: snapshots of every live ActiveKV engine in this process (engine/include/activekv/telemetry.h).
+// activekv._telemetry: snapshots of the live ActiveKV engines of this process and of its descendant processes
+// (engine/include/activekv/telemetry.h), and the Prometheus side of vLLM's stat-logger contract: a collector whose
+// collect() turns those snapshots into activekv_* metric families at scrape time.
 #include <activekv/telemetry.h>
 #include <activekv_py/common.h>
+
+#include <charconv>
+#include <cmath>
+#include <cstdio>
 
 namespace py = pybind11;
 using activekv::py_glue::snapshot_to_dict;
 
+namespace {
+
+// Prometheus names of the counters (snapshot key -> metric family name without _total, unit, help).
+struct CounterSpec {
+  const char* key;
+  const char* family;
+  const char* unit;
+  const char* help;
+};
+const CounterSpec kCounterSpecs[] = {
+    {"build_calls", "activekv_build_calls", "", "Native build entries: one per vLLM step with attention metadata."},
+    {"kv_update_calls", "activekv_kv_update_calls", "", "Native KV-update entries: one per layer per step."},
+    {"forward_calls", "activekv_forward_calls", "", "Native forward entries with a step plan: one per layer per step."},
+    {"forward_skipped", "activekv_forward_skipped", "", "Forward entries without metadata (vLLM warm-up/profiling)."},
+    {"request_rows", "activekv_request_rows", "", "Request rows planned by build, summed over steps."},
+    {"tokens_written", "activekv_tokens_written", "", "Tokens written into the host tier (padding excluded)."},
+    {"padding_slots", "activekv_padding_slots", "", "Slot-mapping entries of -1 (PAD_SLOT_ID) skipped."},
+    {"write_through_tokens", "activekv_write_through_tokens", "", "Tokens also written into a resident pool copy."},
+    {"blocks_admitted", "activekv_blocks_admitted", "", "KV blocks copied from the host tier into the active pool."},
+    {"blocks_evicted", "activekv_blocks_evicted", "", "Resident KV blocks evicted (LRU, unpinned) to make room."},
+    {"blocks_hit", "activekv_blocks_hit", "", "KV blocks found resident in the pool when a tile asked for them."},
+    {"bytes_h2d", "activekv_host_to_pool_bytes", "bytes", "Bytes copied from the host tier into the active pool."},
+    {"bytes_d2h", "activekv_pool_to_host_bytes", "bytes", "Bytes copied from the pool to the host tier (0 today)."},
+    {"tiles_computed", "activekv_tiles_computed", "", "Attention tiles computed (one per request row per tile)."},
+    {"host_rebinds", "activekv_host_rebinds", "", "Times a layer's host tier changed storage and its pool was reset."},
+    {"compressed_rows", "activekv_compressed_rows", "", "Compressed mode: decode rows that attended a selection."},
+    {"compressed_context_blocks", "activekv_compressed_context_blocks", "",
+     "Compressed mode: blocks the selecting rows' contexts held."},
+    {"selected_blocks", "activekv_selected_blocks", "",
+     "Compressed mode: blocks attended, summed over selecting rows and KV heads."},
+    {"union_blocks", "activekv_union_blocks", "",
+     "Compressed mode: blocks admitted for selecting rows (union over KV heads)."},
+};
+
+// A sample, shaped as prometheus_client's Sample named tuple (the fields its exposition code reads).
+struct Sample {
+  std::string name;
+  py::dict labels;
+  double value = 0;
+};
+
+// A metric family, shaped as prometheus_client's Metric (name, documentation, unit, type, samples).
+struct MetricFamily {
+  std::string name, documentation, unit, type;
+  py::list samples;
+};
+
+py::dict labels_with(const py::dict& base, const char* key = nullptr, const std::string& value = "") {
+  py::dict d;
+  for (auto item : base) d[item.first] = item.second;
+  if (key != nullptr) d[key] = value;
+  return d;
+}
+
+std::string go_float(double v) {
+  if (std::isinf(v)) return "+Inf";
+  char buf[32];
+  const auto res = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form, as Python's repr
+  std::string s(buf, res.ptr);
+  // prometheus_client writes integral bounds as 1.0, 2.0, ...: keep the same label values.
+  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+
+void add_sample(MetricFamily& f, const std::string& name, const py::dict& labels, double value) {
+  f.samples.append(py::cast(Sample{name, labels, value}));
+}
+
+// Histogram with bucket bounds and sum multiplied by `scale` (microseconds -> seconds).
+MetricFamily histogram_family(const std::string& name, const std::string& unit, const std::string& help,
+                              const activekv::Histogram& h, double scale, const py::dict& labels) {
+  MetricFamily f{name, help, unit, "histogram", py::list()};
+  int64_t cumulative = 0;
+  for (int b = 0; b < activekv::Histogram::kBuckets; ++b) {
+    cumulative += h.counts[b];
+    add_sample(f, name + "_bucket", labels_with(labels, "le", go_float(activekv::Histogram::upper_bound(b) * scale)),
+               static_cast<double>(cumulative));
+  }
+  add_sample(f, name + "_count", labels, static_cast<double>(cumulative));
+  add_sample(f, name + "_sum", labels, h.sum * scale);
+  return f;
+}
+
+// Every activekv_* family from the merged snapshot of this process tree.
+py::list families(const py::dict& labels) {
+  std::vector<activekv::PublishedTelemetry> published;
+  {
+    py::gil_scoped_release release;
+    published = activekv::snapshot_process_tree();
+  }
+  std::vector<activekv::TelemetrySnapshot> all;
+  for (auto& p : published) all.push_back(std::move(p.snapshot));
+  const activekv::TelemetrySnapshot total = activekv::merge_snapshots(all);
+  py::list out;
+  for (const auto& spec : kCounterSpecs) {
+    int64_t value = 0;
+    for (const auto& [k, v] : total.counters)
+      if (k == spec.key) value = v;
+    MetricFamily f{spec.family, spec.help, spec.unit, "counter", py::list()};
+    add_sample(f, std::string(spec.family) + "_total", labels, static_cast<double>(value));
+    out.append(py::cast(std::move(f)));
+  }
+  activekv::Histogram latency, admitted;
+  for (const auto& [k, h] : total.histograms) {
+    if (k == "forward_latency_us") latency = h;
+    if (k == "blocks_admitted_per_forward") admitted = h;
+  }
+  out.append(py::cast(histogram_family("activekv_forward_latency_seconds", "seconds",
+                                       "Latency of one native forward (one layer, one step), wall clock.", latency,
+                                       1e-6, labels)));
+  out.append(py::cast(histogram_family("activekv_blocks_admitted_per_forward", "",
+                                       "KV blocks copied into the pool by one native forward (one layer, one step).",
+                                       admitted, 1.0, labels)));
+  int64_t layers = 0;
+  for (const auto& [k, v] : total.info)
+    if (k == "num_layers") layers = v;
+  MetricFamily engines{"activekv_engines", "Live ActiveKV engines in this server's processes.", "", "gauge", py::list()};
+  add_sample(engines, "activekv_engines", labels, static_cast<double>(published.size()));
+  out.append(py::cast(std::move(engines)));
+  MetricFamily nl{"activekv_layers", "Attention layers served by the live ActiveKV engines.", "", "gauge", py::list()};
+  add_sample(nl, "activekv_layers", labels, static_cast<double>(layers));
+  out.append(py::cast(std::move(nl)));
+  return out;
+}
+
+// prometheus_client's custom-collector protocol: collect() and describe() return metric families.
+struct Collector {
+  py::dict labels;
+};
+
+// vLLM's stat-logger contract (AggregateStatLoggerBase): constructed once by AsyncLLM in the API server process.
+struct StatLogger {
+  py::object collector;
+};
+
+py::dict model_labels(const py::handle& vllm_config) {
+  py::dict labels;
+  py::object name = vllm_config.attr("model_config").attr("served_model_name");
+  if (py::isinstance<py::list>(name) || py::isinstance<py::tuple>(name)) name = name[py::int_(0)];
+  labels["model_name"] = py::str(name);
+  return labels;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_telemetry, m) {
-  m.doc() = "ActiveKV telemetry: counters and histograms of the live engines in this process.";
+  m.doc() =
+      "ActiveKV telemetry: counters and histograms of the live engines in this process and its descendants, and "
+      "the activekv_* Prometheus collector behind vLLM's stat-logger contract.";
   activekv::py_glue::register_exceptions(m);
   m.def(
       "engine_snapshots",
@@ -19,45 +172,103 @@ PYBIND11_MODULE(_telemetry, m) {
         }
         return out;
       },
-      "One snapshot dict per live engine, in creation order (each with its engine_id).");
+      "One snapshot dict per live engine of this process, in creation order (each with its engine_id).");
   m.def(
       "snapshot",
       []() {
-        // Counters and info summed over live engines; histograms merged bucket by bucket.
-        activekv::TelemetrySnapshot total;
-        const auto all = activekv::snapshot_live_engines();
-        for (const auto& [id, s] : all) {
-          if (total.counters.empty()) {
-            total = s;
-            continue;
-          }
-          for (size_t i = 0; i < s.counters.size(); ++i) total.counters[i].second += s.counters[i].second;
-          for (size_t i = 0; i < s.histograms.size(); ++i) {
-            auto& h = total.histograms[i].second;
-            const auto& o = s.histograms[i].second;
-            for (int b = 0; b < activekv::Histogram::kBuckets; ++b) h.counts[b] += o.counts[b];
-            h.count += o.count;
-            h.sum += o.sum;
-          }
-          // info: num_layers adds up (layers served); any other fact is kept only where every engine agrees.
-          std::vector<std::pair<std::string, int64_t>> merged;
-          for (const auto& [tk, tv] : total.info) {
-            for (const auto& [k, v] : s.info) {
-              if (k != tk) continue;
-              if (k == "num_layers") merged.emplace_back(k, tv + v);
-              else if (v == tv) merged.emplace_back(k, tv);
-            }
-          }
-          total.info = std::move(merged);
-        }
-        py::dict d = snapshot_to_dict(total);
+        std::vector<activekv::TelemetrySnapshot> all;
+        for (auto& [id, s] : activekv::snapshot_live_engines()) all.push_back(std::move(s));
+        py::dict d = snapshot_to_dict(activekv::merge_snapshots(all));
         d["engines"] = static_cast<int64_t>(all.size());
         return d;
       },
-      "Counters and histograms summed over every live engine, plus 'engines' (how many); info holds num_layers "
-      "summed and the other facts where every engine agrees. Empty counters when no engine is alive.");
+      "Every counter and histogram summed over the live engines of this process, plus 'engines' (how many); info "
+      "holds num_layers summed and the other facts where every engine agrees. Counters are empty when no engine "
+      "is alive.");
+  m.def(
+      "process_tree_snapshots",
+      []() {
+        std::vector<activekv::PublishedTelemetry> published;
+        {
+          py::gil_scoped_release release;
+          published = activekv::snapshot_process_tree();
+        }
+        py::list out;
+        for (const auto& p : published) {
+          py::dict d = snapshot_to_dict(p.snapshot);
+          d["pid"] = p.pid;
+          d["engine_id"] = p.engine_id;
+          out.append(d);
+        }
+        return out;
+      },
+      "One snapshot dict (with pid and engine_id) per live engine of this process and of every process descended "
+      "from it (read from their shared segments in telemetry_dir()).");
+  m.def("telemetry_dir", &activekv::telemetry_dir,
+        "Directory of the engines' shared telemetry segments: $ACTIVEKV_TELEMETRY_DIR, else /dev/shm.");
+  m.def(
+      "snapshot_json", []() {
+        std::vector<activekv::TelemetrySnapshot> all;
+        for (auto& [id, s] : activekv::snapshot_live_engines()) all.push_back(std::move(s));
+        return activekv::snapshot_to_json(activekv::merge_snapshots(all));
+      },
+      "snapshot() of this process as the JSON text the telemetry_json option writes.");
   py::list names;
   for (int i = 0; i < static_cast<int>(activekv::Counter::kCount); ++i)
     names.append(activekv::counter_name(static_cast<activekv::Counter>(i)));
   m.attr("COUNTERS") = py::tuple(names);
+  py::dict metric_names;
+  for (const auto& spec : kCounterSpecs) metric_names[spec.key] = std::string(spec.family) + "_total";
+  m.attr("METRIC_NAMES") = metric_names;
+
+  py::class_<Sample>(m, "Sample", "One exposition sample (the fields of prometheus_client's Sample).")
+      .def_readonly("name", &Sample::name)
+      .def_readonly("labels", &Sample::labels)
+      .def_readonly("value", &Sample::value)
+      .def_property_readonly("timestamp", [](const Sample&) { return py::none(); })
+      .def_property_readonly("exemplar", [](const Sample&) { return py::none(); })
+      .def_property_readonly("native_histogram", [](const Sample&) { return py::none(); })
+      .def("__repr__", [](const Sample& s) {
+        return "Sample(" + s.name + ", " + std::string(py::str(s.labels)) + ", " + std::to_string(s.value) + ")";
+      });
+  py::class_<MetricFamily>(m, "MetricFamily", "One metric family (the fields of prometheus_client's Metric).")
+      .def_readonly("name", &MetricFamily::name)
+      .def_readonly("documentation", &MetricFamily::documentation)
+      .def_readonly("unit", &MetricFamily::unit)
+      .def_readonly("type", &MetricFamily::type)
+      .def_readonly("samples", &MetricFamily::samples)
+      .def("__repr__", [](const MetricFamily& f) { return "MetricFamily(" + f.name + ", " + f.type + ")"; });
+  py::class_<Collector>(m, "Collector",
+                        "A prometheus_client collector: collect() reads the process tree's telemetry at each scrape.")
+      .def(py::init([](py::dict labels) { return Collector{labels}; }), py::arg("labels") = py::dict())
+      .def("collect", [](const Collector& c) { return families(c.labels); },
+           "Every activekv_* metric family: counters (_total), forward latency (seconds) and blocks admitted per "
+           "forward histograms, engines and layers gauges.")
+      .def("describe", [](const Collector& c) { return families(c.labels); },
+           "The same families (prometheus_client registers their names).");
+  py::class_<StatLogger>(m, "StatLogger",
+                         "vLLM's AggregateStatLoggerBase contract. The constructor (start-up, API server process) "
+                         "calls registry_getter() (vLLM's get_prometheus_registry) once and registers a Collector "
+                         "labelled with the served model name; record() and log_engine_initialized() do nothing: the "
+                         "values are read from the engines at scrape time, never pushed per step.")
+      .def(py::init([](py::object vllm_config, py::object engine_indexes, py::object registry_getter) {
+             activekv::collect_ended_descendants_at_exit();  // telemetry_json of engine-core processes
+             py::object registry = registry_getter();
+             py::object collector = py::cast(Collector{model_labels(vllm_config)});
+             try {
+               registry.attr("register")(collector);
+             } catch (py::error_already_set& e) {
+               // DuplicateTimeseries (a ValueError): a collector of ours is registered already (a second AsyncLLM
+               // in this process); it reads the same process tree.
+               if (!e.matches(PyExc_ValueError)) throw;
+             }
+             return StatLogger{collector};
+           }),
+           py::arg("vllm_config"), py::arg("engine_indexes"), py::arg("registry_getter"))
+      .def(
+          "record",
+          [](const StatLogger&, py::object, py::object, py::object, py::object) {}, py::arg("scheduler_stats"),
+          py::arg("iteration_stats"), py::arg("mm_cache_stats") = py::none(), py::arg("engine_idx") = 0)
+      .def("log_engine_initialized", [](const StatLogger&) {})
+      .def_readonly("collector", &StatLogger::collector);
 }

@@ -1,20 +1,238 @@
 #include <activekv/telemetry.h>
 
+#include <c10/util/Exception.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <limits>
+#include <new>
+#include <set>
+#include <sstream>
 
 namespace activekv {
 
+constexpr int kCounters = static_cast<int>(Counter::kCount);
+constexpr int kHistograms = 2;  // forward_latency_us, blocks_admitted_per_forward
+constexpr int kInfoSlots = 16;
+constexpr int kInfoKey = 40;
+constexpr int kAncestors = 8;
+constexpr int kJsonPath = 1024;
+const char* const kHistogramNames[kHistograms] = {"forward_latency_us", "blocks_admitted_per_forward"};
+constexpr const char* kSegmentPrefix = "activekv-telemetry.";
+
+/// The published layout: plain data and lock-free 8-byte atomics only (address-free, so valid across processes).
+/// `magic` is stored last (release) once the header is written; a reader checks it, `layout` and the file size.
+struct TelemetryPage {
+  static constexpr uint64_t kMagic = 0x414b56544c4d3031ULL;  // "AKVTLM01"
+  std::atomic<uint64_t> magic;
+  uint64_t layout;  ///< kCounters | kHistograms << 16 | kBuckets << 24 | kInfoSlots << 40
+  int64_t pid;
+  int64_t start_ticks;  ///< /proc/<pid>/stat field 22: tells a live process from a reused pid
+  int64_t engine_id;
+  int64_t ancestors[kAncestors];  ///< parent, grandparent, ... at creation (0 past the top): who may write its JSON
+  std::atomic<int32_t> json_path_len;  ///< > 0 once json_path holds the telemetry_json option's path
+  char json_path[kJsonPath];
+  std::atomic<int64_t> counters[kCounters];
+  struct Hist {
+    std::atomic<int64_t> counts[Histogram::kBuckets];
+    std::atomic<uint64_t> sum_bits;  ///< a double, updated by compare-exchange
+  } hist[kHistograms];
+  std::atomic<int32_t> info_count;
+  struct Info {
+    char key[kInfoKey];
+    std::atomic<int64_t> value;
+  } info[kInfoSlots];
+};
+static_assert(std::atomic<int64_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "telemetry pages need address-free atomics");
+
 namespace {
+
+constexpr uint64_t kLayout = static_cast<uint64_t>(kCounters) | (static_cast<uint64_t>(kHistograms) << 16) |
+                             (static_cast<uint64_t>(Histogram::kBuckets) << 24) |
+                             (static_cast<uint64_t>(kInfoSlots) << 40) | (static_cast<uint64_t>(kAncestors) << 48) |
+                             (uint64_t{2} << 56);  // layout version
+
 struct Registry {
   std::mutex mu;
   int64_t next_id = 0;
   std::map<int64_t, const Telemetry*> live;
+  std::map<std::string, std::vector<TelemetrySnapshot>> ended;  ///< json path -> snapshots of destroyed engines
+  bool atexit_registered = false;
+  bool reader_atexit_registered = false;
 };
 Registry& registry() {
   static Registry* r = new Registry();  // never destroyed: engines may outlive static destruction order
   return *r;
 }
+
+/// (ppid, start time) of a live process from /proc/<pid>/stat; false when it does not exist or is a zombie (it has
+/// exited and waits to be reaped).
+bool proc_stat(int64_t pid, int64_t* ppid, int64_t* start_ticks) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string line;
+  if (!f || !std::getline(f, line)) return false;
+  const auto close = line.rfind(')');  // the command name may hold spaces and parentheses
+  if (close == std::string::npos) return false;
+  std::istringstream rest(line.substr(close + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && rest >> field; ++i) {  // fields after ')' start at 3 (state)
+    if (i == 3 && (field == "Z" || field == "X")) return false;
+    if (i == 4) *ppid = std::atoll(field.c_str());
+    if (i == 22) {
+      *start_ticks = std::atoll(field.c_str());
+      return true;
+    }
+  }
+  return false;
+}
+
+bool descends_from(int64_t pid, int64_t ancestor) {
+  for (int depth = 0; depth < 64 && pid > 1; ++depth) {
+    if (pid == ancestor) return true;
+    int64_t ppid = 0, start = 0;
+    if (!proc_stat(pid, &ppid, &start)) return false;
+    pid = ppid;
+  }
+  return pid == ancestor;
+}
+
+void init_page(TelemetryPage* p, int64_t engine_id) {
+  p->layout = kLayout;
+  p->pid = static_cast<int64_t>(::getpid());
+  int64_t ppid = 0, start = 0;
+  p->start_ticks = proc_stat(p->pid, &ppid, &start) ? start : -1;
+  p->engine_id = engine_id;
+  int64_t up = p->pid;
+  for (int i = 0; i < kAncestors && up > 1; ++i) {
+    int64_t parent = 0, ignored = 0;
+    if (!proc_stat(up, &parent, &ignored)) break;
+    p->ancestors[i] = parent;
+    up = parent;
+  }
+  p->magic.store(TelemetryPage::kMagic, std::memory_order_release);
+}
+
+double load_double(const std::atomic<uint64_t>& bits) {
+  const uint64_t b = bits.load(std::memory_order_relaxed);
+  double d;
+  std::memcpy(&d, &b, sizeof d);
+  return d;
+}
+
+void add_double(std::atomic<uint64_t>& bits, double v) {
+  uint64_t old = bits.load(std::memory_order_relaxed);
+  for (;;) {
+    double d;
+    std::memcpy(&d, &old, sizeof d);
+    d += v;
+    uint64_t next;
+    std::memcpy(&next, &d, sizeof next);
+    if (bits.compare_exchange_weak(old, next, std::memory_order_relaxed)) return;
+  }
+}
+
+void observe(TelemetryPage::Hist& h, double value) {
+  int i = 0;
+  while (i < Histogram::kBuckets - 1 && value > Histogram::upper_bound(i)) ++i;
+  h.counts[i].fetch_add(1, std::memory_order_relaxed);
+  add_double(h.sum_bits, value);
+}
+
+/// Read a page into a snapshot (count = the sum of the buckets, so _count always equals the +Inf bucket).
+TelemetrySnapshot read_page(const TelemetryPage& p) {
+  TelemetrySnapshot s;
+  for (int i = 0; i < kCounters; ++i)
+    s.counters.emplace_back(counter_name(static_cast<Counter>(i)), p.counters[i].load(std::memory_order_relaxed));
+  for (int k = 0; k < kHistograms; ++k) {
+    Histogram h;
+    for (int b = 0; b < Histogram::kBuckets; ++b) {
+      h.counts[b] = p.hist[k].counts[b].load(std::memory_order_relaxed);
+      h.count += h.counts[b];
+    }
+    h.sum = load_double(p.hist[k].sum_bits);
+    s.histograms.emplace_back(kHistogramNames[k], h);
+  }
+  const int n = std::min(p.info_count.load(std::memory_order_acquire), kInfoSlots);
+  for (int i = 0; i < n; ++i) {
+    const char* key = p.info[i].key;
+    s.info.emplace_back(std::string(key, strnlen(key, kInfoKey)), p.info[i].value.load(std::memory_order_relaxed));
+  }
+  return s;
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (static_cast<unsigned char>(c) < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+std::string json_double(double v) {
+  if (std::isinf(v)) return "\"+Inf\"";
+  if (std::isnan(v)) return "\"NaN\"";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.17g", v);
+  return buf;
+}
+
+void write_json_file(const std::string& path, const std::vector<TelemetrySnapshot>& all) {
+  const std::string text = snapshot_to_json(merge_snapshots(all));
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  {
+    std::ofstream f(tmp, std::ios::trunc);
+    TORCH_CHECK(static_cast<bool>(f), "cannot write ActiveKV telemetry to ", tmp, ": ", std::strerror(errno));
+    f << text << "\n";
+    f.close();
+    TORCH_CHECK(!f.fail(), "cannot write ActiveKV telemetry to ", tmp);
+  }
+  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
+              std::strerror(errno));
+}
+
+void write_json_locked(Registry& r, const std::string& path) {
+  std::vector<TelemetrySnapshot> all = r.ended[path];
+  for (const auto& [id, t] : r.live)
+    if (t->json_path() == path) all.push_back(t->snapshot());
+  write_json_file(path, all);
+}
+
+void write_all_json_at_exit() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  std::set<std::string> paths;
+  for (const auto& [path, v] : r.ended) paths.insert(path);
+  for (const auto& [id, t] : r.live)
+    if (!t->json_path().empty()) paths.insert(t->json_path());
+  for (const auto& path : paths) {
+    try {
+      write_json_locked(r, path);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "activekv: %s\n", e.what());
+    }
+  }
+}
+
 }  // namespace
 
 const char* counter_name(Counter c) {
@@ -55,52 +273,123 @@ void Histogram::observe(double value) {
   sum += value;
 }
 
+std::string telemetry_dir() {
+  const char* env = std::getenv("ACTIVEKV_TELEMETRY_DIR");
+  return env != nullptr && *env != '\0' ? std::string(env) : std::string("/dev/shm");
+}
+
 Telemetry::Telemetry(bool registered) : registered_(registered) {
-  if (!registered_) return;
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  id_ = r.next_id++;
-  r.live[id_] = this;
+  int64_t id = -1;
+  if (registered_) {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    id = r.next_id++;
+  }
+  if (registered_) {
+    const std::string path =
+        telemetry_dir() + "/" + kSegmentPrefix + std::to_string(::getpid()) + "." + std::to_string(id);
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd >= 0) {
+      void* mem = MAP_FAILED;
+      if (::ftruncate(fd, sizeof(TelemetryPage)) == 0)
+        mem = ::mmap(nullptr, sizeof(TelemetryPage), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      ::close(fd);
+      if (mem != MAP_FAILED) {
+        page_ = new (mem) TelemetryPage();  // the file is zero-filled: every atomic starts at 0
+        mapped_ = true;
+        segment_path_ = path;
+      } else {
+        ::unlink(path.c_str());
+      }
+    }
+  }
+  if (page_ == nullptr) page_ = new TelemetryPage();
+  init_page(page_, id);
+  if (registered_) {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    id_ = id;
+    r.live[id_] = this;
+  }
 }
 
 Telemetry::~Telemetry() {
-  if (!registered_) return;
-  auto& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  r.live.erase(id_);
+  if (registered_) {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    r.live.erase(id_);
+    if (!json_path_.empty()) {
+      r.ended[json_path_].push_back(snapshot());
+      try {
+        write_json_locked(r, json_path_);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "activekv: %s\n", e.what());  // a destructor must not throw
+      }
+    }
+  }
+  if (mapped_) {
+    ::unlink(segment_path_.c_str());
+    ::munmap(page_, sizeof(TelemetryPage));
+  } else {
+    delete page_;
+  }
 }
 
-void Telemetry::observe_forward_latency_us(double us) {
-  std::lock_guard<std::mutex> lock(mu_);
-  forward_latency_us_.observe(us);
+void Telemetry::add(Counter c, int64_t n) {
+  page_->counters[static_cast<int>(c)].fetch_add(n, std::memory_order_relaxed);
 }
 
-void Telemetry::observe_blocks_admitted(int64_t blocks) {
-  std::lock_guard<std::mutex> lock(mu_);
-  blocks_admitted_per_forward_.observe(static_cast<double>(blocks));
+int64_t Telemetry::get(Counter c) const {
+  return page_->counters[static_cast<int>(c)].load(std::memory_order_relaxed);
 }
+
+void Telemetry::observe_forward_latency_us(double us) { observe(page_->hist[0], us); }
+
+void Telemetry::observe_blocks_admitted(int64_t blocks) { observe(page_->hist[1], static_cast<double>(blocks)); }
 
 void Telemetry::set_info(const std::string& key, int64_t value) {
   std::lock_guard<std::mutex> lock(mu_);
   info_[key] = value;
+  const int n = page_->info_count.load(std::memory_order_relaxed);
+  for (int i = 0; i < n; ++i) {
+    if (key == page_->info[i].key) {
+      page_->info[i].value.store(value, std::memory_order_relaxed);
+      return;
+    }
+  }
+  if (n >= kInfoSlots || key.size() >= static_cast<size_t>(kInfoKey)) return;  // kept in memory only
+  std::memcpy(page_->info[n].key, key.c_str(), key.size() + 1);
+  page_->info[n].value.store(value, std::memory_order_relaxed);
+  page_->info_count.store(n + 1, std::memory_order_release);
+}
+
+void Telemetry::set_json_path(const std::string& path) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  json_path_ = path;
+  if (path.size() < static_cast<size_t>(kJsonPath)) {  // a longer path is written by this process only
+    std::memcpy(page_->json_path, path.c_str(), path.size() + 1);
+    page_->json_path_len.store(static_cast<int32_t>(path.size()), std::memory_order_release);
+  }
+  if (!path.empty() && !r.atexit_registered) {
+    std::atexit(write_all_json_at_exit);
+    r.atexit_registered = true;
+  }
 }
 
 TelemetrySnapshot Telemetry::snapshot() const {
-  TelemetrySnapshot s;
-  for (int i = 0; i < static_cast<int>(Counter::kCount); ++i)
-    s.counters.emplace_back(counter_name(static_cast<Counter>(i)), counters_[i].load(std::memory_order_relaxed));
+  TelemetrySnapshot s = read_page(*page_);
   std::lock_guard<std::mutex> lock(mu_);
-  s.histograms.emplace_back("forward_latency_us", forward_latency_us_);
-  s.histograms.emplace_back("blocks_admitted_per_forward", blocks_admitted_per_forward_);
   s.info.assign(info_.begin(), info_.end());
   return s;
 }
 
 void Telemetry::reset() {
-  for (auto& c : counters_) c.store(0, std::memory_order_relaxed);
-  std::lock_guard<std::mutex> lock(mu_);
-  forward_latency_us_ = Histogram();
-  blocks_admitted_per_forward_ = Histogram();
+  for (auto& c : page_->counters) c.store(0, std::memory_order_relaxed);
+  for (auto& h : page_->hist) {
+    for (auto& b : h.counts) b.store(0, std::memory_order_relaxed);
+    h.sum_bits.store(0, std::memory_order_relaxed);
+  }
 }
 
 std::vector<std::pair<int64_t, TelemetrySnapshot>> snapshot_live_engines() {
@@ -109,6 +398,134 @@ std::vector<std::pair<int64_t, TelemetrySnapshot>> snapshot_live_engines() {
   std::vector<std::pair<int64_t, TelemetrySnapshot>> out;
   for (const auto& [id, t] : r.live) out.emplace_back(id, t->snapshot());
   return out;
+}
+
+TelemetrySnapshot merge_snapshots(const std::vector<TelemetrySnapshot>& all) {
+  TelemetrySnapshot total;
+  for (const auto& s : all) {
+    if (total.counters.empty()) {
+      total = s;
+      continue;
+    }
+    for (size_t i = 0; i < s.counters.size() && i < total.counters.size(); ++i)
+      total.counters[i].second += s.counters[i].second;
+    for (size_t i = 0; i < s.histograms.size() && i < total.histograms.size(); ++i) {
+      auto& h = total.histograms[i].second;
+      const auto& o = s.histograms[i].second;
+      for (int b = 0; b < Histogram::kBuckets; ++b) h.counts[b] += o.counts[b];
+      h.count += o.count;
+      h.sum += o.sum;
+    }
+    // info: num_layers adds up (layers served); any other fact is kept only where every engine agrees.
+    std::vector<std::pair<std::string, int64_t>> merged;
+    for (const auto& [tk, tv] : total.info) {
+      for (const auto& [k, v] : s.info) {
+        if (k != tk) continue;
+        if (k == "num_layers") merged.emplace_back(k, tv + v);
+        else if (v == tv) merged.emplace_back(k, tv);
+      }
+    }
+    total.info = std::move(merged);
+  }
+  return total;
+}
+
+std::vector<PublishedTelemetry> snapshot_process_tree() {
+  const int64_t self = static_cast<int64_t>(::getpid());
+  std::vector<PublishedTelemetry> out;
+  for (auto& [id, s] : snapshot_live_engines()) out.push_back({self, id, std::move(s)});
+  const std::string dir = telemetry_dir();
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return out;
+  std::vector<std::string> names;
+  while (const dirent* e = ::readdir(d)) {
+    if (std::strncmp(e->d_name, kSegmentPrefix, std::strlen(kSegmentPrefix)) == 0) names.emplace_back(e->d_name);
+  }
+  ::closedir(d);
+  std::map<std::string, std::vector<TelemetrySnapshot>> orphans;  // json path -> final snapshots of ended engines
+  for (const auto& name : names) {
+    const std::string path = dir + "/" + name;
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st {};
+    void* mem = MAP_FAILED;
+    if (::fstat(fd, &st) == 0 && st.st_size == static_cast<off_t>(sizeof(TelemetryPage)))
+      mem = ::mmap(nullptr, sizeof(TelemetryPage), PROT_READ, MAP_SHARED, fd, 0);
+    ::close(fd);
+    if (mem == MAP_FAILED) continue;
+    const auto* page = static_cast<const TelemetryPage*>(mem);
+    if (page->magic.load(std::memory_order_acquire) == TelemetryPage::kMagic && page->layout == kLayout &&
+        page->pid != self) {
+      int64_t ppid = 0, start = 0;
+      if (!proc_stat(page->pid, &ppid, &start) || start != page->start_ticks) {
+        // Its process is gone (or the pid names another process now) without destroying the engine: vLLM's engine
+        // core ends with os._exit. The page holds the final values: when the engine asked for telemetry_json and
+        // this process is its ancestor, write them now; a segment whose ancestors are all gone is removed too.
+        const int32_t len = page->json_path_len.load(std::memory_order_acquire);
+        bool ours = false, orphaned = true;
+        for (int i = 0; i < kAncestors && page->ancestors[i] > 0; ++i) {
+          ours = ours || page->ancestors[i] == self;
+          int64_t p2 = 0, s2 = 0;
+          if (page->ancestors[i] > 1 && proc_stat(page->ancestors[i], &p2, &s2)) orphaned = false;
+        }
+        if (len > 0 && len < kJsonPath && ours) {
+          orphans[std::string(page->json_path, len)].push_back(read_page(*page));
+          ::unlink(path.c_str());
+        } else if (len <= 0 || orphaned) {
+          ::unlink(path.c_str());
+        }
+      } else if (descends_from(page->pid, self)) {
+        out.push_back({page->pid, page->engine_id, read_page(*page)});
+      }
+    }
+    ::munmap(mem, sizeof(TelemetryPage));
+  }
+  for (const auto& [json_path, snaps] : orphans) {
+    try {
+      write_json_file(json_path, snaps);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "activekv: %s\n", e.what());
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const PublishedTelemetry& a, const PublishedTelemetry& b) {
+    return a.pid != b.pid ? a.pid < b.pid : a.engine_id < b.engine_id;
+  });
+  return out;
+}
+
+std::string snapshot_to_json(const TelemetrySnapshot& s) {
+  std::ostringstream o;
+  o << "{\"counters\": {";
+  for (size_t i = 0; i < s.counters.size(); ++i)
+    o << (i ? ", " : "") << json_string(s.counters[i].first) << ": " << s.counters[i].second;
+  o << "}, \"histograms\": {";
+  for (size_t i = 0; i < s.histograms.size(); ++i) {
+    const auto& [name, h] = s.histograms[i];
+    o << (i ? ", " : "") << json_string(name) << ": {\"le\": [";
+    for (int b = 0; b < Histogram::kBuckets; ++b) o << (b ? ", " : "") << json_double(Histogram::upper_bound(b));
+    o << "], \"counts\": [";
+    for (int b = 0; b < Histogram::kBuckets; ++b) o << (b ? ", " : "") << h.counts[b];
+    o << "], \"count\": " << h.count << ", \"sum\": " << json_double(h.sum) << "}";
+  }
+  o << "}, \"info\": {";
+  for (size_t i = 0; i < s.info.size(); ++i)
+    o << (i ? ", " : "") << json_string(s.info[i].first) << ": " << s.info[i].second;
+  o << "}}";
+  return o.str();
+}
+
+void collect_ended_descendants_at_exit() {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.reader_atexit_registered) return;
+  r.reader_atexit_registered = true;
+  std::atexit([] { snapshot_process_tree(); });
+}
+
+void write_telemetry_json(const std::string& path) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  write_json_locked(r, path);
 }
 
 }  // namespace activekv

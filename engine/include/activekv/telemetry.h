@@ -4,6 +4,14 @@
 ///
 /// Counters are exact event counts (deterministic, compared bit for bit with the Python reference); histograms
 /// hold per-forward latency (microseconds, wall clock, never compared) and blocks admitted per forward.
+///
+/// Publication across processes: vLLM runs the engine in its engine-core (or worker) process while its API server,
+/// which serves Prometheus' /metrics, is another process. Every registered engine therefore keeps its counters and
+/// histograms in a TelemetryPage, a fixed-layout segment of lock-free atomics mapped from a file
+/// `activekv-telemetry.<pid>.<engine id>` in telemetry_dir() (default /dev/shm, a tmpfs: no disk I/O), created with
+/// mode 0600 and unlinked when the engine is destroyed. A reader in an ancestor process (the API server) maps the
+/// segments of its descendant processes read-only: snapshot_process_tree(). When the segment cannot be created the
+/// engine keeps the same page in heap memory and only its own process sees it.
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -52,6 +60,8 @@ struct Histogram {
   static double upper_bound(int i);
 };
 
+struct TelemetryPage;
+
 /// A point-in-time copy of an engine's telemetry.
 struct TelemetrySnapshot {
   std::vector<std::pair<std::string, int64_t>> counters;
@@ -69,8 +79,8 @@ class Telemetry {
   Telemetry(const Telemetry&) = delete;
   Telemetry& operator=(const Telemetry&) = delete;
 
-  void add(Counter c, int64_t n = 1) { counters_[static_cast<int>(c)].fetch_add(n, std::memory_order_relaxed); }
-  int64_t get(Counter c) const { return counters_[static_cast<int>(c)].load(std::memory_order_relaxed); }
+  void add(Counter c, int64_t n = 1);
+  int64_t get(Counter c) const;
   void observe_forward_latency_us(double us);
   void observe_blocks_admitted(int64_t blocks);
   /// Record a static fact of the engine, reported in every snapshot's info (e.g. num_layers).
@@ -80,18 +90,61 @@ class Telemetry {
   void reset();
   /// Process-unique id of this engine's telemetry (registration order).
   int64_t id() const { return id_; }
+  /// Path of this engine's shared segment; empty when the page lives in heap memory (unregistered, or the segment
+  /// could not be created).
+  const std::string& segment_path() const { return segment_path_; }
+  /// Write the telemetry of the engines of this process that share `path` (see write_telemetry_json) when this
+  /// engine is destroyed and when the process exits normally; when the process ends otherwise (os._exit), an
+  /// ancestor process's snapshot_process_tree() writes it from the segment. Empty: never.
+  void set_json_path(const std::string& path);
+  const std::string& json_path() const { return json_path_; }
 
  private:
-  std::array<std::atomic<int64_t>, static_cast<int>(Counter::kCount)> counters_{};
-  mutable std::mutex mu_;
-  Histogram forward_latency_us_;
-  Histogram blocks_admitted_per_forward_;
+  TelemetryPage* page_ = nullptr;  ///< mapped segment or heap copy (owned)
+  bool mapped_ = false;
+  std::string segment_path_;
+  mutable std::mutex mu_;  ///< guards info_ and json_path_
   std::map<std::string, int64_t> info_;
+  std::string json_path_;
   int64_t id_ = -1;
   bool registered_;
 };
 
 /// Snapshots of every live engine in the process, in registration order.
 std::vector<std::pair<int64_t, TelemetrySnapshot>> snapshot_live_engines();
+
+/// Counters and info summed over snapshots, histograms merged bucket by bucket; info keeps num_layers summed and
+/// every other fact only where all snapshots agree. Empty counters when `all` is empty.
+TelemetrySnapshot merge_snapshots(const std::vector<TelemetrySnapshot>& all);
+
+/// Directory of the shared segments: $ACTIVEKV_TELEMETRY_DIR if set, else /dev/shm.
+std::string telemetry_dir();
+
+/// One engine's telemetry as published by some process.
+struct PublishedTelemetry {
+  int64_t pid = 0;
+  int64_t engine_id = 0;
+  TelemetrySnapshot snapshot;
+};
+
+/// The telemetry of every live engine of this process (from memory) and of every process descended from it (from
+/// their segments in telemetry_dir()), ordered by (pid, engine id). Segments whose process is gone (or whose pid
+/// was reused: the start time differs) are removed; when such an engine set telemetry_json and this process is one
+/// of its ancestors, its final values (the segment outlives the process) are written to that file first, merged
+/// per path. Segments of unrelated live processes are ignored. Never throws on a bad segment: it is skipped.
+std::vector<PublishedTelemetry> snapshot_process_tree();
+
+/// At this process's normal exit, run snapshot_process_tree() once more, so that descendant engines that ended
+/// with their process (never destroyed) and asked for telemetry_json get their file written (the API server calls
+/// this: vLLM's engine-core process ends with os._exit, which runs no destructor and no atexit handler).
+void collect_ended_descendants_at_exit();
+
+/// The snapshot as one JSON object: {"counters": {...}, "histograms": {name: {"le": [...], "counts": [...],
+/// "count": n, "sum": s}}, "info": {...}} (the last `le` is the string "+Inf").
+std::string snapshot_to_json(const TelemetrySnapshot& s);
+
+/// Write merge_snapshots(...) of every engine of this process whose json path is `path` (live ones and those
+/// already destroyed) to `path` (through a temporary file and a rename). @throws c10::Error when it cannot be written.
+void write_telemetry_json(const std::string& path);
 
 }  // namespace activekv
