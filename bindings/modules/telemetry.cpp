@@ -229,7 +229,7 @@ PYBIND11_MODULE(_telemetry, m) {
       .def_property_readonly("exemplar", [](const Sample&) { return py::none(); })
       .def_property_readonly("native_histogram", [](const Sample&) { return py::none(); })
       .def("__repr__", [](const Sample& s) {
-        return "Sample(" + s.name + ", " + std::string(py::str(s.labels)) + ", " + std::to_string(s.value) + ")";
+        return "Sample(" + s.name + ", " + py::repr(s.labels).cast<std::string>() + ", " + std::to_string(s.value) + ")";
       });
   py::class_<MetricFamily>(m, "MetricFamily", "One metric family (the fields of prometheus_client's Metric).")
       .def_readonly("name", &MetricFamily::name)
