@@ -251,3 +251,72 @@ def test_a_conflicting_checkout_is_refused_and_left_as_it_was(checkout: Path) ->
     assert git(checkout, "status", "--porcelain") == ""
     assert not (checkout / ".git" / "rebase-apply").exists()
     assert digest(checkout) == before
+
+
+# ------------------------------------------------------------------------------------------- serve: start-up checks
+
+
+@pytest.fixture
+def env_with(tmp_path: Path):
+    """An environment laid out like a venv (pyvenv.cfg, bin/activekv, site-packages with the patch series and a vLLM
+    0.32.0 tree, unpatched) around a copy of the launcher, which finds all of it from its own location."""
+    def make(version: str | None = None, apply: bool = False) -> Path:
+        prefix = tmp_path / "env"
+        site = prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        vllm_tree.copy_as_installed(site)
+        shutil.copytree(LAUNCHER.parents[1] / site.relative_to(prefix) / "activekv" / "patches",
+                        site / "activekv" / "patches")
+        (prefix / "bin").mkdir()
+        shutil.copy2(LAUNCHER, prefix / "bin" / "activekv")
+        shutil.copy2(LAUNCHER.parents[1] / "pyvenv.cfg", prefix / "pyvenv.cfg")
+        if apply:
+            done = subprocess.run([str(prefix / "bin" / "activekv"), "patch", "apply"], capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+        if version:
+            version_py = site / "vllm" / "_version.py"
+            version_py.write_text(version_py.read_text().replace("'0.32.0'", f"'{version}'"))
+        return prefix
+    return make
+
+
+@pytest.mark.parametrize("args", [["serve", "/no/model"], ["run-batch", "-i", "x", "-o", "y"],
+                                  ["serve", "/no/model", "--attention-backend", "activekv"],
+                                  ["serve", "/no/model", "--attention-backend=ACTIVEKV"]])
+def test_serve_on_an_unpatched_vllm_refuses_at_start_up(env_with, args: list[str]) -> None:
+    """ACTIVEKV selected (by default or by name) on a vLLM without the series: one message saying why and what to do,
+    before any Python starts (vLLM would fail later, on an unknown backend name)."""
+    prefix = env_with()
+    before = digest(next((prefix / "lib").glob("python*/site-packages")))
+    done = subprocess.run([str(prefix / "bin" / "activekv"), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.startswith("activekv: error: the ACTIVEKV attention backend cannot run: the ActiveKV patch "
+                                  "series is not applied on vLLM 0.32.0 at "), done.stderr
+    assert "run `activekv patch apply`" in done.stderr
+    assert digest(next((prefix / "lib").glob("python*/site-packages"))) == before
+
+
+def test_serve_on_another_vllm_version_refuses_at_start_up(env_with) -> None:
+    prefix = env_with(version="0.33.0", apply=True)
+    done = subprocess.run([str(prefix / "bin" / "activekv"), "serve", "/no/model"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    assert "vLLM 0.33.0 at " in done.stderr and "does not match this ActiveKV" in done.stderr, done.stderr
+    assert "for vLLM 0.32.0" in done.stderr
+
+
+def test_serve_passes_the_check_when_patched_or_another_backend_is_chosen(env_with) -> None:
+    """A patched vLLM 0.32.0, or a user who chose another backend (stock vLLM): no ActiveKV refusal. (The copied
+    environment has no python of its own, so the launcher stops next, at that, with its own message.)"""
+    prefix = env_with()
+    for args, prefix_ in ((["--attention-backend", "CPU_ATTN"], prefix),):
+        done = subprocess.run([str(prefix_ / "bin" / "activekv"), "serve", "/no/model", *args], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1 and "cannot run" not in done.stderr, done.stderr
+        assert "no python interpreter next to this launcher" in done.stderr
+    assert subprocess.run([str(prefix / "bin" / "activekv"), "patch", "apply"], capture_output=True,
+                          timeout=120).returncode == 0
+    done = subprocess.run([str(prefix / "bin" / "activekv"), "serve", "/no/model"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "cannot run" not in done.stderr, done.stderr
+    assert "no python interpreter next to this launcher" in done.stderr
