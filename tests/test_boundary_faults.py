@@ -12,6 +12,7 @@ import torch
 import activekv._admission as admission  # after torch: the modules' import guard needs it
 import activekv._attention as attention
 import activekv._backend as backend
+import activekv._geometry as geometry
 import activekv._kv_state as kv_state
 import activekv._transfer as transfer
 
@@ -26,6 +27,13 @@ def test_tile_mask_position_overflow_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"key_start \+ num_keys must fit in int64"):
         attention.tile_mask(0, 1, 2**63 - 2, 3)
     assert attention.tile_mask(2**63 - 3, 2, 2**63 - 4, 1).tolist() == [[False], [False]]
+
+
+def test_geometry_with_a_block_size_near_int64_max_is_a_value_error() -> None:
+    """Was `2 * block_size` computed before the overflow check: signed overflow (undefined behaviour), found by UBSan
+    in `make sanitize`'s run of fuzz_geometry (block_size 2^62)."""
+    with pytest.raises(ValueError, match="below 2\\^40 elements per block"):
+        geometry.Geometry(1, 1, 1, 1, 2**62, torch.float32, 1)
 
 
 def test_group_query_with_no_heads_is_a_value_error() -> None:
