@@ -1,10 +1,12 @@
 """Soak: many requests of mixed lengths through one in-process vLLM with ActiveKV; resident memory and telemetry.
 
     python -m tools.soak MODEL_DIR [--requests 1000] [--batch 8] [--every 100] [--kv-cache-gib 1]
-                                   [--activekv '{"pool_blocks": 16, "tile_blocks": 4}'] [--json OUT]
+                                   [--activekv '{"pool_blocks": 16, "tile_blocks": 4}'] [--backend CPU_ATTN]
+                                   [--json OUT]
 
 One vLLM engine (tools/vllm_run.py: in-process engine core, float32, eager, token-id prompts, KV cache sized
-explicitly by --kv-cache-gib), ACTIVEKV backend. Requests go in batches of --batch with prompt lengths drawn from
+explicitly by --kv-cache-gib), ACTIVEKV backend (--backend CPU_ATTN: the same load on stock vLLM, the control for
+the memory figures; its telemetry columns stay 0). Requests go in batches of --batch with prompt lengths drawn from
 [8, max_model_len / 2] and 1-32 new tokens each (seeded), greedy. vLLM may chunk prefills and preempt: that is part
 of the load. Printed: resident set size (VmRSS of this process, which holds the engine core) at start (after the
 engine is up), after every --every requests and at the end, with the native telemetry totals at each point. Not a
@@ -20,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine, read_telemetry
+from tools.vllm_run import ACTIVEKV, CPU_ATTN, EngineConfig, VllmEngine, read_telemetry
 
 TOTALS = ("build_calls", "forward_calls", "kv_update_calls", "tokens_written", "blocks_admitted", "blocks_evicted",
           "blocks_hit", "tiles_computed", "host_rebinds")
@@ -43,13 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--activekv", default='{"pool_blocks": 16, "tile_blocks": 4}')
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=16, help="vLLM's KV block size (CPU_ATTN needs a multiple of 32)")
+    ap.add_argument("--backend", default=ACTIVEKV, choices=[ACTIVEKV, CPU_ATTN])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    config = EngineConfig(model=args.model, backend=ACTIVEKV, activekv=json.loads(args.activekv), block_size=16,
+    activekv = json.loads(args.activekv) if args.backend == ACTIVEKV else None
+    config = EngineConfig(model=args.model, backend=args.backend, activekv=activekv, block_size=args.block_size,
                           max_model_len=args.max_model_len, max_num_seqs=args.batch, kv_cache_gib=args.kv_cache_gib)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     rng = random.Random(args.seed)
