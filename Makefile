@@ -11,7 +11,7 @@ PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel audit intake test demo bench parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
+.PHONY: help venv build wheel audit intake test sanitize demo bench parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -55,6 +55,9 @@ unpatch-vllm: venv ## revert the patch series from the vLLM installed in .venv
 
 test: build wheel patch-vllm ## build, build and audit the wheel, patch vLLM, run the test suites
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+sanitize: venv ## build engine + bindings with ASan + UBSan in build/sanitize, run the unit, parity and fuzz suites under them
+	PY=$(PY) tools/sanitize.sh
 
 demo: wheel ## the user's path: install dist/'s wheel into .venv, `activekv patch apply`, generate vs stock vLLM
 	set -o pipefail; $(PIP) install -q --no-deps --force-reinstall dist/activekv-*.whl $(PIPQ)

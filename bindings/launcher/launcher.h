@@ -32,6 +32,11 @@ std::string default_patch_dir(const Environment& env);
 /// `activekv patch apply|check|revert|status [--vllm DIR] [--patches DIR]`; returns the exit code.
 int patch_main(const std::vector<std::string>& args, const Environment& env);
 
+/// Why the ACTIVEKV backend cannot run in the environment's vLLM ("" when it can): the vLLM version is not the one the
+/// series and engine are built for, or the series is not (or only partly) applied. Reads files and runs git; never
+/// changes anything.
+std::string backend_preflight(const Environment& env);
+
 /// `activekv serve|run-batch ARGS...`: vLLM's CLI in-process; argv entries are raw bytes, decoded as Python would.
 int vllm_main(const std::string& subcommand, const std::vector<const char*>& args, const Environment& env);
 

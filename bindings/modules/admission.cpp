@@ -1,5 +1,6 @@
 // activekv._admission: which blocks enter the active pool and which leave it (engine/include/activekv/admission.h).
 #include <activekv/admission.h>
+#include <activekv/check.h>
 #include <activekv_py/common.h>
 
 namespace py = pybind11;
@@ -31,6 +32,13 @@ PYBIND11_MODULE(_admission, m) {
       [](const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& row_blocks,
          int64_t sink_blocks, int64_t recent_blocks, int64_t top_k, bool native_scores) {
         TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == 1, "q must be [1, num_heads, head_size], got ", q.sizes());
+        TORCH_CHECK_VALUE(q.size(1) > 0, "q must have num_heads > 0, got ", q.sizes());
+        for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"key_min", &key_min},
+                                      {"key_max", &key_max}, {"row_blocks", &row_blocks}}) {
+          activekv::check_has_data(*t, name);
+          TORCH_CHECK_VALUE(t->device() == q.device(), name, " must be on q's device ", q.device(), ", got ",
+                            t->device());
+        }
         TORCH_CHECK_TYPE(key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat,
                          "key_min and key_max must be float32, got ", key_min.scalar_type(), " and ",
                          key_max.scalar_type());
@@ -97,6 +105,8 @@ PYBIND11_MODULE(_admission, m) {
         TORCH_CHECK_TYPE(block_row.scalar_type() == at::kInt && block_row.dim() == 1 && block_row.is_contiguous(),
                          "block_row must be a contiguous 1-D int32 tensor, got ", block_row.scalar_type(), " ",
                          block_row.sizes());
+        activekv::check_has_data(block_row, "block_row");
+        TORCH_CHECK_VALUE(block_row.device().is_cpu(), "block_row must be on cpu, got ", block_row.device());
         TORCH_CHECK_VALUE(num_blocks >= 0 && num_blocks <= block_row.size(0), "num_blocks must be in [0, ",
                           block_row.size(0), "], got ", num_blocks);
         TORCH_CHECK_VALUE(tile_blocks >= 1, "tile_blocks must be >= 1, got ", tile_blocks);

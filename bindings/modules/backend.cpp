@@ -77,10 +77,32 @@ void register_layers(const std::shared_ptr<Engine>& engine, const std::vector<st
   for (const auto& n : names) g_layers[n].push_back(engine);
 }
 
+// A Python value as T, or a TypeError naming it (`what`), the type expected and the value that came: pybind11's own
+// cast_error says neither ("Unable to cast Python instance of type ... to C++ type '?'").
+template <typename T>
+T cast_named(const py::handle& v, const std::string& what, const char* expected) {
+  try {
+    return v.cast<T>();
+  } catch (const py::cast_error&) {
+    C10_THROW_ERROR(TypeError, c10::str(what, " must be ", expected, ", got ", std::string(py::repr(v))));
+  }
+}
+
+// Attribute `name` of a vLLM object (`owner` in messages) as T: a named TypeError if it is missing or of another type.
+template <typename T>
+T attr_as(const py::handle& obj, const char* owner, const char* name, const char* expected) {
+  TORCH_CHECK_TYPE(py::hasattr(obj, name), owner, ".", name, " is missing (expected ", expected, "), got a ",
+                   std::string(py::str(py::type::of(obj))));
+  return cast_named<T>(obj.attr(name), std::string(owner) + "." + name, expected);
+}
+
 std::string layer_name(const py::handle& layer) {
   TORCH_CHECK_TYPE(py::hasattr(layer, "layer_name"), "layer must be a vLLM attention layer with a layer_name, got ",
                    std::string(py::str(py::type::of(layer))));
-  return layer.attr("layer_name").cast<std::string>();
+  py::object name = layer.attr("layer_name");
+  TORCH_CHECK_TYPE(py::isinstance<py::str>(name), "layer.layer_name must be a str, got ",
+                   std::string(py::repr(name)));
+  return name.cast<std::string>();
 }
 
 const std::set<std::string>& builder_option_keys() {
@@ -141,16 +163,19 @@ Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object nu
                               std::string(py::repr(sliding_window)));
   TORCH_CHECK_NOT_IMPLEMENTED(kv_cache_dtype == "auto", "ActiveKV supports kv_cache_dtype 'auto' only, got '",
                               kv_cache_dtype, "'");
-  TORCH_CHECK_NOT_IMPLEMENTED(logits_soft_cap.is_none() || logits_soft_cap.cast<double>() == 0.0,
+  TORCH_CHECK_NOT_IMPLEMENTED(logits_soft_cap.is_none() ||
+                                  cast_named<double>(logits_soft_cap, "logits_soft_cap", "a float or None") == 0.0,
                               "ActiveKV does not support logits soft-capping, got ",
                               std::string(py::repr(logits_soft_cap)));
-  const std::string at = attn_type.is_none() ? "decoder" : attn_type.cast<std::string>();
+  const std::string at =
+      attn_type.is_none() ? "decoder" : cast_named<std::string>(attn_type, "attn_type", "a str (AttentionType)");
   TORCH_CHECK_NOT_IMPLEMENTED(at == "decoder", "ActiveKV supports decoder attention only, got '", at, "'");
   TORCH_CHECK_NOT_IMPLEMENTED(kv_sharing_target_layer_name.is_none(),
                               "ActiveKV does not support KV sharing across layers, got ",
                               std::string(py::repr(kv_sharing_target_layer_name)));
   TORCH_CHECK_NOT_IMPLEMENTED(sinks.is_none(), "ActiveKV does not support attention sinks");
-  const int64_t kvh = num_kv_heads.is_none() ? num_heads : num_kv_heads.cast<int64_t>();
+  const int64_t kvh =
+      num_kv_heads.is_none() ? num_heads : cast_named<int64_t>(num_kv_heads, "num_kv_heads", "an int or None");
   TORCH_CHECK_VALUE(num_heads > 0 && kvh > 0 && num_heads % kvh == 0,
                     "num_heads must be a positive multiple of num_kv_heads, got ", num_heads, " and ", kvh);
   const auto sizes = activekv::supported_head_sizes();
@@ -189,10 +214,10 @@ int64_t compressed_default_pool(int64_t union_blocks, py::handle vllm_config) {
 
 std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std::vector<std::string>& layer_names,
                                             py::handle vllm_config, at::Device device) {
-  const auto block_size = kv_cache_spec.attr("block_size").cast<int64_t>();
-  const auto num_kv_heads = kv_cache_spec.attr("num_kv_heads").cast<int64_t>();
-  const auto head_size = kv_cache_spec.attr("head_size").cast<int64_t>();
-  const auto dtype = kv_cache_spec.attr("dtype").cast<at::ScalarType>();
+  const auto block_size = attr_as<int64_t>(kv_cache_spec, "kv_cache_spec", "block_size", "an int");
+  const auto num_kv_heads = attr_as<int64_t>(kv_cache_spec, "kv_cache_spec", "num_kv_heads", "an int");
+  const auto head_size = attr_as<int64_t>(kv_cache_spec, "kv_cache_spec", "head_size", "an int");
+  const auto dtype = attr_as<at::ScalarType>(kv_cache_spec, "kv_cache_spec", "dtype", "a torch.dtype");
   if (py::hasattr(kv_cache_spec, "sliding_window")) {
     TORCH_CHECK_NOT_IMPLEMENTED(kv_cache_spec.attr("sliding_window").is_none(),
                                 "ActiveKV does not support sliding-window KV-cache groups");
@@ -200,7 +225,8 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
   // Start-up only: the one config method vLLM offers for the per-rank query head count.
   py::object model_config = vllm_config.attr("model_config");
   const auto num_heads =
-      model_config.attr("get_num_attention_heads")(vllm_config.attr("parallel_config")).cast<int64_t>();
+      cast_named<int64_t>(model_config.attr("get_num_attention_heads")(vllm_config.attr("parallel_config")),
+                          "model_config.get_num_attention_heads(parallel_config)", "an int");
   py::dict opts = activekv_options(vllm_config);
   for (const char* key : {"mode", "kernel", "telemetry_json"}) {
     if (!opts.contains(key)) continue;
@@ -210,13 +236,27 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
   }
   const std::string mode = opts.contains("mode") ? opts["mode"].cast<std::string>() : "exact";
   activekv::EngineConfig cfg;
-  cfg.mode = activekv::parse_mode(mode);
-  if (opts.contains("kernel")) cfg.kernel = activekv::parse_kernel(opts["kernel"].cast<std::string>());
+  // The engine's own messages name the setting ("mode must be ..."); at start-up, name the option the user wrote.
+  try {
+    cfg.mode = activekv::parse_mode(mode);
+    if (opts.contains("kernel")) cfg.kernel = activekv::parse_kernel(opts["kernel"].cast<std::string>());
+  } catch (const c10::ValueError& e) {
+    TORCH_CHECK_VALUE(false, "additional_config['activekv']: ", e.what_without_backtrace());
+  }
   const int64_t tile_blocks = option_int(opts, "tile_blocks", kDefaultTileBlocks);
   TORCH_CHECK_VALUE(tile_blocks >= 1, "additional_config['activekv']['tile_blocks'] must be >= 1, got ",
                     tile_blocks);
-  cfg.geometry = activekv::Geometry(static_cast<int64_t>(layer_names.size()), num_heads, num_kv_heads, head_size,
-                                    block_size, dtype, tile_blocks);
+  // Name where an impossible geometry came from: the model's KV-cache spec, not an argument the user typed.
+  const auto from = c10::str("kv_cache_spec (block_size ", block_size, ", num_kv_heads ", num_kv_heads,
+                             ", head_size ", head_size, ", dtype ", dtype, ") with num_heads ", num_heads, ": ");
+  try {
+    cfg.geometry = activekv::Geometry(static_cast<int64_t>(layer_names.size()), num_heads, num_kv_heads, head_size,
+                                      block_size, dtype, tile_blocks);
+  } catch (const c10::TypeError& e) {
+    C10_THROW_ERROR(TypeError, from + e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    C10_THROW_ERROR(ValueError, from + e.what_without_backtrace());
+  }
   cfg.budget_tokens = option_int(opts, "budget_tokens", cfg.budget_tokens);
   cfg.sink_blocks = option_int(opts, "sink_blocks", cfg.sink_blocks);
   cfg.recent_blocks = option_int(opts, "recent_blocks", cfg.recent_blocks);
@@ -253,8 +293,8 @@ struct Builder {
 at::Tensor cpu_attr(py::handle obj, const char* primary, const char* fallback) {
   py::object v = py::none();
   if (py::hasattr(obj, primary)) v = obj.attr(primary);
-  if (v.is_none()) v = obj.attr(fallback);
-  return v.cast<at::Tensor>();
+  if (!v.is_none()) return cast_named<at::Tensor>(v, std::string("common_attn_metadata.") + primary, "a tensor");
+  return attr_as<at::Tensor>(obj, "common_attn_metadata", fallback, "a tensor");
 }
 
 }  // namespace
@@ -379,14 +419,17 @@ PYBIND11_MODULE(_backend, m) {
       .def(
           "build",
           [](const Builder& b, int64_t common_prefix_len, py::object cm, bool fast_build) {
+            TORCH_CHECK_TYPE(py::hasattr(cm, "causal"), "common_attn_metadata.causal is missing");
             py::object causal = cm.attr("causal");
             TORCH_CHECK_NOT_IMPLEMENTED(py::isinstance<py::bool_>(causal) && causal.cast<bool>(),
-                                        "ActiveKV supports causal attention only");
+                                        "ActiveKV supports causal attention only (common_attn_metadata.causal must be "
+                                        "True), got ", std::string(py::repr(causal)));
             const at::Tensor qsl = cpu_attr(cm, "query_start_loc_cpu", "query_start_loc");
-            const at::Tensor seq_lens = cm.attr("seq_lens").cast<at::Tensor>();
-            const at::Tensor block_table = cm.attr("block_table_tensor").cast<at::Tensor>();
-            const auto num_reqs = cm.attr("num_reqs").cast<int64_t>();
-            const auto num_actual_tokens = cm.attr("num_actual_tokens").cast<int64_t>();
+            const char* owner = "common_attn_metadata";
+            const auto seq_lens = attr_as<at::Tensor>(cm, owner, "seq_lens", "a tensor");
+            const auto block_table = attr_as<at::Tensor>(cm, owner, "block_table_tensor", "a tensor");
+            const auto num_reqs = attr_as<int64_t>(cm, owner, "num_reqs", "an int");
+            const auto num_actual_tokens = attr_as<int64_t>(cm, owner, "num_actual_tokens", "an int");
             PlanHandle h{b.engine, {}};
             py::gil_scoped_release release;
             h.plan = b.engine->build(qsl, seq_lens, block_table, num_reqs, num_actual_tokens);

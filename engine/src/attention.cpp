@@ -71,6 +71,7 @@ at::Tensor tiled_attention(const at::Tensor& q, const at::Tensor& kv, int64_t se
   AKV_CHECK_TYPE(q.is_floating_point() && kv.is_floating_point(), "q and kv must be floating-point tensors, got ",
                  q.scalar_type(), " and ", kv.scalar_type());
   AKV_CHECK_VALUE(kv.device() == q.device(), "kv must be on q's device ", q.device(), ", got ", kv.device());
+  check_has_data(q, "q");
   const int64_t lq = q.size(0), bs = kv.size(3);
   AKV_CHECK_VALUE(lq >= 1, "q must hold at least one query token, got ", shape_str(q.sizes()));
   AKV_CHECK_VALUE(lq <= seq_len && seq_len <= kv.size(0) * bs, "need num_q_tokens (", lq, ") <= seq_len (", seq_len,

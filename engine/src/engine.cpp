@@ -22,6 +22,7 @@ void check_index_tensor(const at::Tensor& t, const char* name, int64_t dim) {
   AKV_CHECK_TYPE(t.defined(), name, " must be a tensor, got None");
   AKV_CHECK_TYPE(is_index_dtype(t.scalar_type()), name, " must be int32 or int64, got ", t.scalar_type());
   AKV_CHECK_VALUE(t.dim() == dim, name, " must be ", dim, "-D, got ", shape_str(t.sizes()));
+  check_has_data(t, name);
 }
 
 // The plan is kept as int32 (vLLM's own dtype): an int64 value outside int32 is an error, never a silent wrap.
@@ -30,13 +31,6 @@ void check_int32_range(const at::Tensor& t, const char* name) {
   const auto lo = t.min().item<int64_t>(), hi = t.max().item<int64_t>();
   AKV_CHECK_VALUE(lo >= std::numeric_limits<int32_t>::min() && hi <= std::numeric_limits<int32_t>::max(), name,
                   " values must fit in int32, got the range [", lo, ", ", hi, "]");
-}
-
-// Tensors the engine writes in place, or reads under autograd, must be plain data: checked before anything changes.
-void check_writable(const at::Tensor& t, const char* name) {
-  AKV_CHECK_VALUE(!t.requires_grad(), name, " must not require grad (ActiveKV computes without autograd)");
-  AKV_CHECK_VALUE(!t.is_inference() || c10::InferenceMode::is_enabled(), name,
-                  " is an inference tensor: call under torch.inference_mode(), as vLLM does");
 }
 
 // Pins of an admitted tile are released even when an exception leaves the loop.
@@ -166,6 +160,12 @@ StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_
     AKV_CHECK_VALUE(sl[r] >= lq, "seq_lens[", r, "] (", sl[r], ") must be >= the row's query tokens (", lq, ")");
     AKV_CHECK_VALUE(geometry().blocks_for(sl[r]) <= width, "seq_lens[", r, "] = ", sl[r], " needs ",
                     geometry().blocks_for(sl[r]), " blocks but block_table has ", width, " columns");
+    // Block ids of the columns the row uses: never negative (their upper bound, the KV cache's block count, is
+    // checked by forward, which sees the cache).
+    const int32_t* row = p.block_table.data_ptr<int32_t>() + r * width;
+    if (lq == 0) continue;
+    for (int64_t j = 0, nb = geometry().blocks_for(sl[r]); j < nb; ++j)
+      AKV_CHECK_INDEX(row[j] >= 0, "block_table[", r, ", ", j, "] must be a block id >= 0, got ", row[j]);
   }
   AKV_CHECK_VALUE(qsl[num_reqs] <= num_actual_tokens, "query_start_loc[num_reqs] (", qsl[num_reqs],
                   ") must be <= num_actual_tokens (", num_actual_tokens, ")");

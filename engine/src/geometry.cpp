@@ -38,7 +38,9 @@ Geometry::Geometry(int64_t num_layers_, int64_t num_heads_, int64_t num_kv_heads
   AKV_CHECK_VALUE(block_size > 0, "block_size must be > 0, got ", block_size);
   AKV_CHECK_VALUE(tile_blocks > 0, "tile_blocks must be > 0, got ", tile_blocks);
   int64_t elems = 0;
-  const bool overflow = __builtin_mul_overflow(num_kv_heads, 2 * block_size, &elems) ||
+  // Every product checked, 2 * block_size included (block_size >= 2^62 overflowed there: undefined behaviour).
+  const bool overflow = __builtin_mul_overflow(num_kv_heads, block_size, &elems) ||
+                        __builtin_mul_overflow(elems, int64_t{2}, &elems) ||
                         __builtin_mul_overflow(elems, head_size, &elems) || elems > (int64_t{1} << 40) ||
                         __builtin_mul_overflow(tile_blocks, block_size, &elems);
   AKV_CHECK_VALUE(!overflow, "num_kv_heads * 2 * block_size * head_size must stay below 2^40 elements per block and ",

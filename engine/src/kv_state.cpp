@@ -84,12 +84,18 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
                     d, "], got ", shape_str(x->sizes()));
     AKV_CHECK_VALUE(x->device() == device_, name, " must be on ", device_, ", got ", x->device());
   }
+  // The host tier is written in place and key/value are read outside autograd: plain data only, checked here so
+  // every entry point that writes (Engine::update_kv, the _kv_state binding) rejects the same inputs.
+  check_writable(host, "kv_cache");
+  AKV_CHECK_VALUE(!key.requires_grad() && !value.requires_grad(),
+                  "key and value must not require grad (ActiveKV computes without autograd)");
   AKV_CHECK_VALUE(key.size(0) == value.size(0), "key and value must have the same number of tokens, got ",
                   key.size(0), " and ", value.size(0));
   AKV_CHECK_TYPE(slot_mapping.defined() && (slot_mapping.scalar_type() == at::kLong ||
                                             slot_mapping.scalar_type() == at::kInt),
                  "slot_mapping must be an int64 or int32 tensor, got ",
                  slot_mapping.defined() ? c10::toString(slot_mapping.scalar_type()) : "None");
+  check_has_data(slot_mapping, "slot_mapping");
   AKV_CHECK_VALUE(slot_mapping.dim() == 1, "slot_mapping must be 1-D [num_tokens], got ",
                   shape_str(slot_mapping.sizes()));
   const int64_t n = slot_mapping.size(0);

@@ -17,13 +17,19 @@ void check_copy(const at::Tensor& src, const at::Tensor& dst, const std::vector<
                   shape_str(dst.sizes()));
   AKV_CHECK_TYPE(src.scalar_type() == dst.scalar_type(), "src and dst must share a dtype, got ", src.scalar_type(),
                  " and ", dst.scalar_type());
+  check_has_data(src, "src");
+  check_writable(dst, "dst");
   AKV_CHECK_VALUE(src_ids.size() == dst_ids.size(), "src_ids and dst_ids must have equal lengths, got ",
                   src_ids.size(), " and ", dst_ids.size());
+  std::vector<bool> written(dst.size(0), false);
   for (size_t i = 0; i < src_ids.size(); ++i) {
     AKV_CHECK_INDEX(src_ids[i] >= 0 && src_ids[i] < src.size(0), "src_ids[", i, "] must be in [0, ", src.size(0),
                     "), got ", src_ids[i]);
     AKV_CHECK_INDEX(dst_ids[i] >= 0 && dst_ids[i] < dst.size(0), "dst_ids[", i, "] must be in [0, ", dst.size(0),
                     "), got ", dst_ids[i]);
+    // Two copies into one block would leave which one lands unspecified (index_copy_ does not order them).
+    AKV_CHECK_VALUE(!written[dst_ids[i]], "dst_ids[", i, "] = ", dst_ids[i], " repeats an earlier destination block");
+    written[dst_ids[i]] = true;
   }
 }
 

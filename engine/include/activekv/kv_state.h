@@ -65,7 +65,9 @@ class KVState {
   /// @param host [num_blocks, num_kv_heads, 2, block_size, head_size] from host_view
   /// @param key, value [num_tokens, num_kv_heads, head_size], geometry dtype, same device
   /// @param slot_mapping [n] int64 with n <= num_tokens: slot of token i, or -1 (PAD_SLOT_ID) to skip
-  /// @throws c10::IndexError for a slot outside [-1, num_blocks * block_size).
+  /// @throws c10::IndexError for a slot outside [-1, num_blocks * block_size); c10::ValueError / c10::TypeError for
+  ///         a key, value or slot_mapping of the wrong dtype, shape or device, a repeated slot, a meta tensor, or a
+  ///         kv_cache, key or value that requires grad.
   void write(int64_t layer, const at::Tensor& host, const at::Tensor& key, const at::Tensor& value,
              const at::Tensor& slot_mapping, Telemetry& t);
 
