@@ -4,6 +4,7 @@ it answers HTTP, and the processes left in a group."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -91,3 +93,34 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 def tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.is_file() else f"(no {path})"
+
+
+@contextlib.contextmanager
+def served(cmd: list[str], log: Path, env: dict[str, str], timeout_s: float, port: int,
+           stop_timeout_s: float = 120) -> Iterator[subprocess.Popen]:
+    """Run one server (stdout and stderr to ``log``) until it answers GET /health on ``port``; yield its process;
+    stop it with SIGTERM (then SIGKILL after ``stop_timeout_s``) whatever the test did."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"{Path(cmd[0]).name} {cmd[1]} exited with {proc.returncode}:\n{tail(log)}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail(f"{Path(cmd[0]).name} {cmd[1]} not healthy in {timeout_s} s:\n{tail(log)}")
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)

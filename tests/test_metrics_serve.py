@@ -13,15 +13,13 @@ import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests import serving
 from tools.make_tiny_model import SPEC, make_tiny_model
 from tools.make_tokenizer import make_tokenizer
 
@@ -34,12 +32,6 @@ NUM_LAYERS = SPEC["num_hidden_layers"]
 SAMPLE = re.compile(r"^(activekv_[a-z_]+)(\{[^}]*\})? (\S+)$")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     if not LAUNCHER.is_file():
@@ -47,38 +39,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     model = make_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
     make_tokenizer(model)
     tmp = tmp_path_factory.mktemp("serve")
-    port, log, tjson = free_port(), tmp / "serve.log", tmp / "telemetry.json"
+    port, log, tjson = serving.free_port(), tmp / "serve.log", tmp / "telemetry.json"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # spawn the engine core
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     options = {"activekv": {"pool_blocks": 8, "tile_blocks": 4, "telemetry_json": str(tjson)}}
     cmd = [str(LAUNCHER), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--enforce-eager", "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "tiny",
            "--additional-config", json.dumps(options)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    info = {"proc": proc, "port": port, "log": log, "json": tjson}
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"activekv serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail(f"activekv serve not healthy in {START_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-4000:]}")
-        yield info
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+    with serving.served(cmd, log, env, START_TIMEOUT_S, port) as proc:
+        yield {"proc": proc, "port": port, "log": log, "json": tjson}
 
 
 def scrape(server: dict) -> tuple[str, dict[str, float]]:

@@ -16,8 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests import vllm_tree  # noqa: E402
-from tests.serving import free_port, vllm_env  # noqa: E402
+from tests.serving import free_port, served, vllm_env  # noqa: E402
 from tools.make_tiny_model import SPEC  # noqa: E402
 from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine, make_prompts  # noqa: E402
 
@@ -92,31 +90,8 @@ def server(
     cmd = [str(fresh_venv / "bin/activekv"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--block-size", "16",
            "--served-model-name", "tiny", "--chat-template", str(chat_template)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    info = {"proc": proc, "port": port, "log": log, "venv": fresh_venv, "patched": patched.stdout}
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"activekv serve exited with {proc.returncode}:\n{log.read_text(errors='replace')[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail(f"activekv serve not healthy in {START_TIMEOUT_S} s:\n{log.read_text(errors='replace')[-4000:]}")
-        yield info
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+    with served(cmd, log, env, START_TIMEOUT_S, port, stop_timeout_s=60) as proc:
+        yield {"proc": proc, "port": port, "log": log, "venv": fresh_venv, "patched": patched.stdout}
 
 
 def client(server: dict):  # noqa: ANN201  (openai.OpenAI)
