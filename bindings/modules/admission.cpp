@@ -19,6 +19,33 @@ struct PagePool {
   activekv::LayerState layer;
   uint64_t clock = 0;
 };
+// The inputs of a Quest bound, checked once for select_blocks and quest_scores: q [1, H, D] with data, key_min/max
+// float32 [blocks, KVH, D] matching it, `ids` (row_blocks or ids) 1-D int64 in [0, blocks), all on q's device, CPU
+// for the native kernel.
+void check_quest_inputs(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& ids,
+                        const char* ids_name, bool native) {
+  TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == 1, "q must be [1, num_heads, head_size], got ", q.sizes());
+  TORCH_CHECK_VALUE(q.size(1) > 0, "q must have num_heads > 0, got ", q.sizes());
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"key_min", &key_min},
+                                {"key_max", &key_max}, {ids_name, &ids}}) {
+    activekv::check_has_data(*t, name);
+    TORCH_CHECK_VALUE(t->device() == q.device(), name, " must be on q's device ", q.device(), ", got ", t->device());
+  }
+  TORCH_CHECK_TYPE(key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat,
+                   "key_min and key_max must be float32, got ", key_min.scalar_type(), " and ", key_max.scalar_type());
+  TORCH_CHECK_VALUE(key_min.dim() == 3 && key_min.sizes() == key_max.sizes() && key_min.size(2) == q.size(2) &&
+                        key_min.size(1) > 0 && q.size(1) % key_min.size(1) == 0,
+                    "key_min/key_max must be [blocks, num_kv_heads, head_size] matching q, got ", key_min.sizes(),
+                    " and ", key_max.sizes());
+  TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong && ids.dim() == 1, ids_name, " must be a 1-D int64 tensor, got ",
+                   ids.scalar_type(), " ", ids.sizes());
+  TORCH_CHECK_VALUE(!native || q.is_cpu(), "the native Quest kernel needs CPU tensors, got q on ", q.device());
+  if (ids.numel() > 0) {
+    const auto lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+    TORCH_CHECK_INDEX(lo >= 0 && hi < key_min.size(0), ids_name, " must be in [0, ", key_min.size(0), "), got [", lo,
+                      ", ", hi, "]");
+  }
+}
 }  // namespace
 
 PYBIND11_MODULE(_admission, m) {
@@ -31,35 +58,10 @@ PYBIND11_MODULE(_admission, m) {
       "select_blocks",
       [](const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& row_blocks,
          int64_t sink_blocks, int64_t recent_blocks, int64_t top_k, bool native_scores) {
-        TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == 1, "q must be [1, num_heads, head_size], got ", q.sizes());
-        TORCH_CHECK_VALUE(q.size(1) > 0, "q must have num_heads > 0, got ", q.sizes());
-        for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"key_min", &key_min},
-                                      {"key_max", &key_max}, {"row_blocks", &row_blocks}}) {
-          activekv::check_has_data(*t, name);
-          TORCH_CHECK_VALUE(t->device() == q.device(), name, " must be on q's device ", q.device(), ", got ",
-                            t->device());
-        }
-        TORCH_CHECK_TYPE(key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat,
-                         "key_min and key_max must be float32, got ", key_min.scalar_type(), " and ",
-                         key_max.scalar_type());
-        TORCH_CHECK_VALUE(key_min.dim() == 3 && key_min.sizes() == key_max.sizes() && key_min.size(2) == q.size(2) &&
-                              key_min.size(1) > 0 && q.size(1) % key_min.size(1) == 0,
-                          "key_min/key_max must be [blocks, num_kv_heads, head_size] matching q, got ",
-                          key_min.sizes(), " and ", key_max.sizes());
-        TORCH_CHECK_TYPE(row_blocks.scalar_type() == at::kLong && row_blocks.dim() == 1,
-                         "row_blocks must be a 1-D int64 tensor, got ", row_blocks.scalar_type(), " ",
-                         row_blocks.sizes());
+        check_quest_inputs(q, key_min, key_max, row_blocks, "row_blocks", native_scores);
         TORCH_CHECK_VALUE(sink_blocks >= 0 && recent_blocks >= 1 && top_k >= 1,
                           "need sink_blocks >= 0, recent_blocks >= 1, top_k >= 1, got ", sink_blocks, ", ",
                           recent_blocks, ", ", top_k);
-        if (row_blocks.numel() > 0) {
-          const auto lo = row_blocks.min().item<int64_t>(), hi = row_blocks.max().item<int64_t>();
-          TORCH_CHECK_INDEX(lo >= 0 && hi < key_min.size(0), "row_blocks must be in [0, ", key_min.size(0),
-                            "), got [", lo, ", ", hi, "]");
-        }
-        TORCH_CHECK_VALUE(!native_scores || (key_min.is_cpu() && q.is_cpu() && row_blocks.is_cpu()),
-                          "native_scores=True needs CPU tensors, got q on ", q.device(), ", key metadata on ",
-                          key_min.device());
         const auto kmin = native_scores ? key_min.contiguous() : key_min;
         const auto kmax = native_scores ? key_max.contiguous() : key_max;
         return activekv::select_blocks(q, kmin, kmax, row_blocks,
@@ -75,23 +77,7 @@ PYBIND11_MODULE(_admission, m) {
       "quest_scores",
       [](const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& ids,
          bool native) {
-        TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == 1, "q must be [1, num_heads, head_size], got ", q.sizes());
-        TORCH_CHECK_TYPE(key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat,
-                         "key_min and key_max must be float32, got ", key_min.scalar_type(), " and ",
-                         key_max.scalar_type());
-        TORCH_CHECK_VALUE(key_min.dim() == 3 && key_min.sizes() == key_max.sizes() && key_min.size(2) == q.size(2) &&
-                              key_min.size(1) > 0 && q.size(1) % key_min.size(1) == 0,
-                          "key_min/key_max must be [blocks, num_kv_heads, head_size] matching q, got ",
-                          key_min.sizes(), " and ", key_max.sizes());
-        TORCH_CHECK_TYPE(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be a 1-D int64 tensor, got ",
-                         ids.scalar_type(), " ", ids.sizes());
-        TORCH_CHECK_VALUE(!native || (key_min.is_cpu() && q.is_cpu() && ids.is_cpu()),
-                          "native=True needs CPU tensors");
-        if (ids.numel() > 0) {
-          const auto lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
-          TORCH_CHECK_INDEX(lo >= 0 && hi < key_min.size(0), "ids must be in [0, ", key_min.size(0), "), got [", lo,
-                            ", ", hi, "]");
-        }
+        check_quest_inputs(q, key_min, key_max, ids, "ids", native);
         return native ? activekv::quest_scores_native(q, key_min.contiguous(), key_max.contiguous(), ids)
                       : activekv::quest_scores(q, key_min, key_max, ids);
       },
