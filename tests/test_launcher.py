@@ -252,6 +252,7 @@ def test_a_conflicting_checkout_is_refused_and_left_as_it_was(checkout: Path) ->
     assert git(checkout, "rev-parse", "HEAD") == head
     assert git(checkout, "status", "--porcelain") == ""
     assert not (checkout / ".git" / "rebase-apply").exists()
+    assert digest(checkout) == before
 
 
 # ------------------------------------------------------------------------------------------- libpython not found
@@ -329,7 +330,6 @@ def test_a_venv_whose_base_interpreter_has_no_libpython_is_a_clear_error(tmp_pat
         assert_clean_error(done, "activekv: error: cannot load the environment's libpython: ", where)
     else:
         assert_clean_error(done, f"is CPython {found}; the environment's interpreter is CPython {version}", where)
-    assert digest(checkout) == before
 
 
 # ------------------------------------------------------------------------------------------- serve: start-up checks

@@ -143,7 +143,11 @@ int vllm_main(const std::string& subcommand, const std::vector<const char*>& arg
       activekv_named |= upper(value).find("ACTIVEKV") != std::string::npos;
     }
   }
-  if (!backend_chosen(args) || activekv_named) {
+  // Help runs no backend (vLLM prints it before building anything): no preflight then.
+  bool asks_help = false;
+  for (const char* a : args)
+    asks_help |= std::strcmp(a, "-h") == 0 || std::strcmp(a, "--help") == 0 || std::strncmp(a, "--help=", 7) == 0;
+  if (!asks_help && (!backend_chosen(args) || activekv_named)) {
     const std::string why = backend_preflight(env);
     if (!why.empty()) {
       std::fprintf(stderr, "activekv: error: the ACTIVEKV attention backend cannot run: %s\n", why.c_str());
