@@ -110,7 +110,9 @@ class Harness:
             self.hosts[int(engine.layer_index(name))] = cache.view(cache.shape[0], NUM_KV_HEADS, 2, BLOCK_SIZE,
                                                                    HEAD_SIZE)
         assert sorted(self.hosts) == list(range(SPEC["num_hidden_layers"]))
-        assert all(h.shape[0] >= NUM_BLOCKS for h in self.hosts.values())
+        # the small KV cache took effect: vLLM's block pool and each layer's cache hold NUM_BLOCKS blocks
+        assert self.scheduler.kv_cache_manager.block_pool.num_gpu_blocks == NUM_BLOCKS
+        assert all(h.shape[0] == NUM_BLOCKS for h in self.hosts.values()), [h.shape for h in self.hosts.values()]
 
     def held_blocks(self) -> set[int]:
         """Block ids vLLM's block pool holds for a live request (ref_cnt > 0)."""
