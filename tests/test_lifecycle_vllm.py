@@ -23,8 +23,10 @@ each phase, for both layers:
   referenced at least pool_blocks distinct blocks, every resident block is one of that step's blocks: a freed block
   outlives no such step (LRU: the pool then holds the step's pool_blocks most recently used blocks). A step that
   references fewer blocks may leave freed blocks resident; they are only checked for coherence.
-A control test runs the same checks on a native Engine driven directly, with a stale resident block and a host write
-the pool missed, and requires each to be reported.
+- key metadata: for every block a step used, the engine's per-KV-head, per-dimension key min/max (what compressed
+  mode selects by; every KV update maintains them) bound the keys of the block's filled tokens in the host tier.
+A control test runs the same checks on a native Engine driven directly, with a stale resident block, a host write the
+pool missed and a key outside its block's bounds, and requires each to be reported.
 Finally every request that finished equals stock vLLM (CPU_ATTN, default block size, ample KV cache, no prefix
 caching) token for token, greedy float32.
 """
@@ -83,6 +85,7 @@ class Observed:
     phases: dict[str, Phase] = field(default_factory=dict)
     steps_checked: int = 0
     builds: int = 0  # metadata builds (one per step that ran a forward)
+    bounds_checked: int = 0  # (layer, block) key min/max bound checks
     lru_steps_checked: int = 0
     freed_resident_seen: int = 0  # resident blocks that vLLM held for no request at a check
     freed_then_reheld: int = 0  # resident blocks vLLM freed, then held again while resident: handed to a new request
@@ -150,7 +153,19 @@ def check_pool(h: Harness, obs: Observed, where: str, step_blocks: set[int] | No
     return freed_now
 
 
-def run_phase(h: Harness, vllm: VllmEngine, obs: Observed, phase: Phase, rec_blocks: list[set[int]],
+def check_key_bounds(h: Harness, obs: Observed, where: str, filled: dict[int, int]) -> None:
+    """Every block the step used: the engine's per-KV-head, per-dimension key min/max bound the keys its filled tokens
+    hold in the host tier (the metadata compressed mode selects by; maintained by every KV update, exact mode too)."""
+    for layer, host in h.hosts.items():
+        kmin, kmax = h.engine.key_min(layer), h.engine.key_max(layer)
+        for block, n in filled.items():
+            keys = host[block, :, 0, :n, :]  # [num_kv_heads, n, head_size]
+            if not ((kmin[block].unsqueeze(1) <= keys).all() and (keys <= kmax[block].unsqueeze(1)).all()):
+                obs.problems.append(f"{where} layer {layer}: key min/max of block {block} do not bound its {n} keys")
+            obs.bounds_checked += 1
+
+
+def run_phase(h: Harness, vllm: VllmEngine, obs: Observed, phase: Phase, rec_blocks: list[dict[int, int]],
               abort_after: dict[str, int] | None = None, waves: list[list[str]] | None = None) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -177,8 +192,10 @@ def run_phase(h: Harness, vllm: VllmEngine, obs: Observed, phase: Phase, rec_blo
                     phase.outputs[out.request_id] = list(out.outputs[0].token_ids)
                     phase.cached_tokens[out.request_id] = int(out.num_cached_tokens or 0)
             steps += 1
-            step_blocks = set().union(*rec_blocks[built:]) if len(rec_blocks) > built else None
+            filled = {b: n for step_filled in rec_blocks[built:] for b, n in step_filled.items()}
+            step_blocks = set(filled) if len(rec_blocks) > built else None
             freed = check_pool(h, obs, f"{phase.name} step {steps}", step_blocks, freed)
+            check_key_bounds(h, obs, f"{phase.name} step {steps}", filled)
         phase.steps += steps
     check_pool(h, obs, f"{phase.name} end", None, freed)
     preempt1, _ = vllm._metric("vllm:num_preemptions")
@@ -209,12 +226,16 @@ def lifecycle(model_dir: Path) -> tuple[Observed, dict[str, dict[str, list[int]]
         pytest.skip(why)
     obs = Observed()
     phases = make_phases()
-    rec_blocks: list[set[int]] = []
+    rec_blocks: list[dict[int, int]] = []  # per step: {block id: tokens of it the step's rows hold}
 
-    def keep(step: int, plan: Any) -> bool:  # records each step's block ids, no layer forward
+    def keep(step: int, plan: Any) -> bool:  # records each step's blocks and their filled tokens, no layer forward
         bt, lens = plan.block_table, plan.seq_lens
-        rec_blocks.append({int(b) for r in range(int(plan.num_reqs))
-                           for b in bt[r, : -(-int(lens[r]) // BLOCK_SIZE)].tolist()})
+        filled: dict[int, int] = {}
+        for r in range(int(plan.num_reqs)):
+            n = int(lens[r])
+            for i, b in enumerate(bt[r, : -(-n // BLOCK_SIZE)].tolist()):
+                filled[int(b)] = max(filled.get(int(b), 0), min(BLOCK_SIZE, n - i * BLOCK_SIZE))
+        rec_blocks.append(filled)
         return False
 
     config = EngineConfig(str(model_dir), backend=ACTIVEKV, activekv=EXACT, block_size=BLOCK_SIZE,
@@ -247,6 +268,7 @@ def test_every_pool_slot_is_free_or_coherent_after_every_step(lifecycle: Any) ->
     assert not obs.problems, "\n".join(obs.problems[:20])
     assert obs.builds > 0 and obs.steps_checked == obs.builds  # every step that ran a forward was checked
     assert obs.lru_steps_checked > 0  # the LRU bound was exercised, not vacuous
+    assert obs.bounds_checked > 0
 
 
 def test_freed_blocks_stayed_coherent_and_were_reused(lifecycle: Any) -> None:
@@ -263,7 +285,8 @@ def test_vllm_preempted_aborted_and_hit_the_prefix_cache(lifecycle: Any, capsys:
             print(f"\n{p.name}: steps {p.steps}, finished {len(p.outputs)}, aborted {len(p.aborted)}, preemptions "
                   f"{p.preemptions}, prefix-cache hit tokens {p.prefix_hits}, cached tokens {p.cached_tokens}")
         print(f"steps checked {obs.steps_checked} (LRU bound applied on {obs.lru_steps_checked}), freed blocks seen "
-              f"resident {obs.freed_resident_seen}, freed then reused while resident {obs.freed_then_reheld}")
+              f"resident {obs.freed_resident_seen}, freed then reused while resident {obs.freed_then_reheld}, key "
+              f"bound checks {obs.bounds_checked}")
     assert phases["preemption"].preemptions > 0
     assert sorted(phases["aborts"].aborted) == sorted(f"ab{i}" for i in ABORT_AFTER)
     assert not set(phases["aborts"].outputs) & set(phases["aborts"].aborted)
@@ -326,3 +349,9 @@ def test_check_pool_reports_an_incoherent_slot_and_a_stale_resident_block() -> N
     dirty = Observed()
     check_pool(h, dirty, "dirty", None, {})
     assert len(dirty.problems) == 1 and f"block {block} in slot" in dirty.problems[0]
+    filled = {b: BLOCK_SIZE for b in range(12)}
+    check_key_bounds(h, clean, "clean", filled)
+    assert clean.problems == [] and clean.bounds_checked == 12
+    h.hosts[0][block, 1, 0, 3, 5] = float(engine.key_max(0)[block, 1, 5]) + 1.0  # a key above its block's maximum
+    check_key_bounds(h, dirty, "dirty", filled)
+    assert len(dirty.problems) == 2 and f"key min/max of block {block}" in dirty.problems[1]
