@@ -1,6 +1,6 @@
 """Request lifecycle inside vLLM 0.32.0 with ActiveKV (issue 7, item 4): mixed lengths, aborts, preemption, prefix hits.
 
-One in-process ActiveKV engine (exact mode, a pool of 8 blocks x 16 tokens per layer) runs with prefix caching on and a
+An in-process ActiveKV engine (a pool of 8 blocks x 16 tokens per layer; exact mode, then compressed mode) runs with prefix caching on and a
 KV cache of only NUM_BLOCKS blocks (vLLM's `num_gpu_blocks_override`), driven request by request through
 `LLMEngine.add_request` / `step` / `abort_request`, in four phases:
 
@@ -27,8 +27,10 @@ each phase, for both layers:
   mode selects by; every KV update maintains them) bound the keys of the block's filled tokens in the host tier.
 A control test runs the same checks on a native Engine driven directly, with a stale resident block, a host write the
 pool missed and a key outside its block's bounds, and requires each to be reported.
-Finally every request that finished equals stock vLLM (CPU_ATTN, default block size, ample KV cache, no prefix
-caching) token for token, greedy float32.
+Finally, in exact mode, every request that finished equals stock vLLM (CPU_ATTN, default block size, ample KV cache,
+no prefix caching) token for token, greedy float32; in compressed mode (approximate by design) every request not
+aborted finishes with all its tokens and decode rows ran compressed. The LRU bound applies to exact mode only (a
+compressed decode row admits only its selection).
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ pytestmark = pytest.mark.vllm
 BLOCK_SIZE = 16
 POOL_BLOCKS = 8
 EXACT = {"mode": "exact", "pool_blocks": POOL_BLOCKS, "tile_blocks": 4}
+# budget 64 tokens = 4 blocks per KV head: 1 sink + 1 selected + 2 recent; the union (2 x 1 + 3 = 5) fits the pool
+COMPRESSED = {"mode": "compressed", "pool_blocks": POOL_BLOCKS, "tile_blocks": 4, "budget_tokens": 64,
+              "sink_blocks": 1, "recent_blocks": 2}
+MODES = {"exact": EXACT, "compressed": COMPRESSED}
 NUM_BLOCKS = 48  # 768 tokens of KV cache per layer
 MAX_MODEL_LEN = 512
 NUM_KV_HEADS = SPEC["num_key_value_heads"]
@@ -82,10 +88,12 @@ class Phase:
 
 @dataclass
 class Observed:
+    lru: bool  # apply the LRU bound (exact mode: every block of every row passes through the pool)
     phases: dict[str, Phase] = field(default_factory=dict)
     steps_checked: int = 0
     builds: int = 0  # metadata builds (one per step that ran a forward)
     bounds_checked: int = 0  # (layer, block) key min/max bound checks
+    compressed_rows: int = 0  # the engine's telemetry: decode rows that attended a selection (all layers)
     lru_steps_checked: int = 0
     freed_resident_seen: int = 0  # resident blocks that vLLM held for no request at a check
     freed_then_reheld: int = 0  # resident blocks vLLM freed, then held again while resident: handed to a new request
@@ -140,7 +148,7 @@ def check_pool(h: Harness, obs: Observed, where: str, step_blocks: set[int] | No
             if not torch.equal(pool[slot], host[block]):
                 diff = float((pool[slot] - host[block]).abs().max())
                 obs.problems.append(f"{where} layer {layer}: block {block} in slot {slot} differs (max {diff:.3g})")
-        if step_blocks is not None and len(step_blocks) >= POOL_BLOCKS and not set(res) <= step_blocks:
+        if obs.lru and step_blocks is not None and len(step_blocks) >= POOL_BLOCKS and not set(res) <= step_blocks:
             obs.problems.append(f"{where} layer {layer}: resident {sorted(set(res) - step_blocks)} not used by a "
                                 f"step over {len(step_blocks)} blocks")
         freed_now[layer] = set(res) - held
@@ -149,7 +157,7 @@ def check_pool(h: Harness, obs: Observed, where: str, step_blocks: set[int] | No
         obs.freed_then_reheld += len(freed_before.get(layer, set()) & (set(res) & held))
     if step_blocks is not None:
         obs.steps_checked += 1
-        obs.lru_steps_checked += len(step_blocks) >= POOL_BLOCKS
+        obs.lru_steps_checked += obs.lru and len(step_blocks) >= POOL_BLOCKS
     return freed_now
 
 
@@ -219,12 +227,8 @@ def make_phases() -> list[tuple[Phase, dict[str, int], list[list[str]] | None]]:
     ]
 
 
-@pytest.fixture(scope="module")
-def lifecycle(model_dir: Path) -> tuple[Observed, dict[str, dict[str, list[int]]]]:
-    available, why = activekv_status()
-    if not available:
-        pytest.skip(why)
-    obs = Observed()
+def _run_activekv(model_dir: Path, options: dict[str, Any]) -> tuple[Observed, list[Phase]]:
+    obs = Observed(lru=options["mode"] == "exact")
     phases = make_phases()
     rec_blocks: list[dict[int, int]] = []  # per step: {block id: tokens of it the step's rows hold}
 
@@ -238,21 +242,33 @@ def lifecycle(model_dir: Path) -> tuple[Observed, dict[str, dict[str, list[int]]
         rec_blocks.append(filled)
         return False
 
-    config = EngineConfig(str(model_dir), backend=ACTIVEKV, activekv=EXACT, block_size=BLOCK_SIZE,
+    config = EngineConfig(str(model_dir), backend=ACTIVEKV, activekv=options, block_size=BLOCK_SIZE,
                           max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, num_gpu_blocks=NUM_BLOCKS)
     with VllmEngine(config) as vllm, capture(keep) as rec:
         h = Harness(vllm, _engine_of(vllm))
+        assert h.engine.mode == options["mode"]
         for phase, abort_after, waves in phases:
             run_phase(h, vllm, obs, phase, rec_blocks, abort_after, waves)
         obs.builds = len(rec_blocks)
+        obs.compressed_rows = int(h.engine.snapshot()["compressed_rows"])
         assert len(rec.engines) == 1 and rec.engines[0] is h.engine  # every step was built by the engine checked
+    return obs, [phase for phase, _, _ in phases]
+
+
+@pytest.fixture(scope="module")
+def lifecycle(model_dir: Path) -> tuple[dict[str, Observed], dict[str, dict[str, list[int]]]]:
+    """({mode: what the ActiveKV run observed}, {phase: {request id: CPU_ATTN tokens}}); engines run one at a time."""
+    available, why = activekv_status()
+    if not available:
+        pytest.skip(why)
+    runs = {mode: _run_activekv(model_dir, options) for mode, options in MODES.items()}
     stock: dict[str, dict[str, list[int]]] = {}
     with VllmEngine(EngineConfig(str(model_dir), backend=CPU_ATTN)) as ref:
-        for phase, _, _ in phases:
+        for phase in runs["exact"][1]:
             done = [rid for rid in phase.prompts if rid not in phase.aborted]
             gen = ref.generate([phase.prompts[r] for r in done], phase.max_tokens)
             stock[phase.name] = dict(zip(done, gen.token_ids))
-    return obs, stock
+    return {mode: obs for mode, (obs, _) in runs.items()}, stock
 
 
 def _engine_of(vllm: VllmEngine) -> Any:
@@ -263,30 +279,36 @@ def _engine_of(vllm: VllmEngine) -> Any:
     return engines[0]
 
 
-def test_every_pool_slot_is_free_or_coherent_after_every_step(lifecycle: Any) -> None:
-    obs, _ = lifecycle
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_pool_slot_is_free_or_coherent_after_every_step(lifecycle: Any, mode: str) -> None:
+    obs = lifecycle[0][mode]
     assert not obs.problems, "\n".join(obs.problems[:20])
     assert obs.builds > 0 and obs.steps_checked == obs.builds  # every step that ran a forward was checked
-    assert obs.lru_steps_checked > 0  # the LRU bound was exercised, not vacuous
+    assert obs.lru_steps_checked > 0 if mode == "exact" else obs.lru_steps_checked == 0  # exercised where applied
     assert obs.bounds_checked > 0
 
 
-def test_freed_blocks_stayed_coherent_and_were_reused(lifecycle: Any) -> None:
-    obs, _ = lifecycle
+@pytest.mark.parametrize("mode", list(MODES))
+def test_freed_blocks_stayed_coherent_and_were_reused(lifecycle: Any, mode: str) -> None:
+    obs = lifecycle[0][mode]
     assert obs.freed_resident_seen > 0  # blocks vLLM freed were resident at some check
     assert obs.freed_then_reheld > 0  # and some were held again by vLLM while still resident
 
 
-def test_vllm_preempted_aborted_and_hit_the_prefix_cache(lifecycle: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    obs, _ = lifecycle
+@pytest.mark.parametrize("mode", list(MODES))
+def test_vllm_preempted_aborted_and_hit_the_prefix_cache(
+    lifecycle: Any, mode: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    obs = lifecycle[0][mode]
     phases = obs.phases
     with capsys.disabled():  # the figures docs/reliability.md quotes
+        print(f"\n[{mode}]", end="")
         for p in phases.values():
             print(f"\n{p.name}: steps {p.steps}, finished {len(p.outputs)}, aborted {len(p.aborted)}, preemptions "
                   f"{p.preemptions}, prefix-cache hit tokens {p.prefix_hits}, cached tokens {p.cached_tokens}")
         print(f"steps checked {obs.steps_checked} (LRU bound applied on {obs.lru_steps_checked}), freed blocks seen "
               f"resident {obs.freed_resident_seen}, freed then reused while resident {obs.freed_then_reheld}, key "
-              f"bound checks {obs.bounds_checked}")
+              f"bound checks {obs.bounds_checked}, compressed rows {obs.compressed_rows}")
     assert phases["preemption"].preemptions > 0
     assert sorted(phases["aborts"].aborted) == sorted(f"ab{i}" for i in ABORT_AFTER)
     assert not set(phases["aborts"].outputs) & set(phases["aborts"].aborted)
@@ -297,12 +319,22 @@ def test_vllm_preempted_aborted_and_hit_the_prefix_cache(lifecycle: Any, capsys:
 
 
 def test_finished_requests_equal_stock_vllm(lifecycle: Any) -> None:
-    obs, stock = lifecycle
+    # exact mode only: compressed mode attends a selection, so its tokens may differ from full attention
+    obs, stock = lifecycle[0]["exact"], lifecycle[1]
     for name, phase in obs.phases.items():
         assert sorted(phase.outputs) == sorted(stock[name]), name
         for rid, want in stock[name].items():
             assert len(want) == phase.max_tokens
             assert phase.outputs[rid] == want, f"{name}/{rid}: ActiveKV {phase.outputs[rid]} != CPU_ATTN {want}"
+
+
+def test_compressed_run_finished_every_request_it_did_not_abort(lifecycle: Any) -> None:
+    obs, stock = lifecycle[0]["compressed"], lifecycle[1]
+    assert obs.phases["preemption"].preemptions > 0
+    assert obs.compressed_rows > 0  # decode rows beyond the budget attended a selection
+    for name, phase in obs.phases.items():
+        assert sorted(phase.outputs) == sorted(stock[name]), name
+        assert all(len(ids) == phase.max_tokens for ids in phase.outputs.values()), name
 
 
 
@@ -338,15 +370,15 @@ def test_check_pool_reports_an_incoherent_slot_and_a_stale_resident_block() -> N
     resident = h.resident(0)
     assert len(resident) == POOL_BLOCKS
 
-    clean = Observed()
+    clean = Observed(lru=True)
     check_pool(h, clean, "clean", set(range(12)), {})
     assert clean.problems == []
-    stale = Observed()  # a step said to use 8 other blocks: the resident ones are not among them
+    stale = Observed(lru=True)  # a step said to use 8 other blocks: the resident ones are not among them
     check_pool(h, stale, "stale", set(range(100, 100 + POOL_BLOCKS)), {})
     assert len(stale.problems) == 1 and "not used by a step" in stale.problems[0]
     block = next(iter(resident))
     cache.view(nb, NUM_KV_HEADS, 2, BLOCK_SIZE, HEAD_SIZE)[block, 0, 1, 0, 0] += 1.0  # a host write the pool missed
-    dirty = Observed()
+    dirty = Observed(lru=True)
     check_pool(h, dirty, "dirty", None, {})
     assert len(dirty.problems) == 1 and f"block {block} in slot" in dirty.problems[0]
     filled = {b: BLOCK_SIZE for b in range(12)}
