@@ -68,6 +68,8 @@ class EngineConfig:
     enable_prefix_caching: off by default, so a repeated prompt recomputes and every run exercises the KV update path.
     max_num_batched_tokens: vLLM's per-step token limit; None keeps vLLM's default (4096 on CPU). Raise it to prefill
         a batch of long prompts in one step (`generate` refuses prompts that would be chunked).
+    num_gpu_blocks: KV-cache blocks per layer, through vLLM's `num_gpu_blocks_override` (applied to the CPU KV cache
+        too: vllm/v1/core/kv_cache_utils.py); None sizes the cache from kv_cache_gib. A small value forces preemption.
     """
 
     model: str
@@ -80,6 +82,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     seed: int = 0
     max_num_batched_tokens: int | None = None
+    num_gpu_blocks: int | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `vllm.LLM` (besides the model path)."""
@@ -98,6 +101,8 @@ class EngineConfig:
             kwargs["block_size"] = self.block_size
         if self.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.num_gpu_blocks is not None:
+            kwargs["num_gpu_blocks_override"] = self.num_gpu_blocks
         if self.activekv is not None:
             kwargs["additional_config"] = {"activekv": dict(self.activekv)}
         return kwargs
