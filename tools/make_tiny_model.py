@@ -19,6 +19,7 @@ import json
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,19 +54,50 @@ def _wanted_stamp_spec(seed: int) -> dict[str, Any]:
     return {**SPEC, "seed": seed, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
+def read_stamp(outdir: Path, stamp: str = STAMP) -> dict[str, Any] | None:
+    """A model directory's stamp, or None when absent or unreadable."""
+    try:
+        return json.loads((Path(outdir) / stamp).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def stamp_matches(outdir: Path, stamp: str, spec: dict[str, Any]) -> bool:
+    """True when `outdir`'s stamp file names `spec` and every model file still has the hash it recorded."""
+    found = read_stamp(outdir, stamp)
+    if found is None or found.get("spec") != spec:
+        return False
+    hashes = found.get("sha256", {})
+    return all((outdir / name).is_file() and hashes.get(name) == _sha256(outdir / name) for name in FILES)
+
+
+def publish(outdir: Path, stamp: str, write: Callable[[Path], dict[str, Any]]) -> Path:
+    """Make a model directory atomically enough: `write(tmp)` writes FILES into a temporary sibling of `outdir` and
+    returns the stamp's fields ("spec" among them); the files are checked, hashed into the stamp and moved into
+    `outdir`, the stamp last, so an interrupted copy leaves a directory stamp_matches() rejects. Only our own files
+    are replaced; anything else in `outdir` is left alone. Raises FileExistsError when `outdir` is not a directory."""
+    outdir = Path(outdir)
+    if outdir.exists() and not outdir.is_dir():
+        raise FileExistsError(f"{outdir} exists and is not a directory")
+    outdir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{outdir.name}-", dir=outdir.parent) as tmp_name:
+        tmp = Path(tmp_name)
+        fields = write(tmp)
+        missing = [name for name in FILES if not (tmp / name).is_file()]
+        if missing:
+            raise RuntimeError(f"transformers did not write {missing} (wrote {sorted(p.name for p in tmp.iterdir())})")
+        fields = {**fields, "sha256": {name: _sha256(tmp / name) for name in FILES}}
+        (tmp / stamp).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
+        outdir.mkdir(exist_ok=True)
+        (outdir / stamp).unlink(missing_ok=True)
+        for name in (*FILES, stamp):
+            shutil.move(str(tmp / name), str(outdir / name))
+    return outdir
+
+
 def is_current(outdir: Path, seed: int = DEFAULT_SEED) -> bool:
     """True when `outdir` holds the model for `seed` made by these library versions, files unmodified."""
-    stamp_path = outdir / STAMP
-    if not stamp_path.is_file():
-        return False
-    try:
-        stamp = json.loads(stamp_path.read_text())
-    except json.JSONDecodeError:
-        return False
-    if stamp.get("spec") != _wanted_stamp_spec(seed):
-        return False
-    hashes = stamp.get("sha256", {})
-    return all((outdir / name).is_file() and hashes.get(name) == _sha256(outdir / name) for name in FILES)
+    return stamp_matches(outdir, STAMP, _wanted_stamp_spec(seed))
 
 
 def _build(tmp: Path, seed: int) -> None:
@@ -103,22 +135,12 @@ def make_tiny_model(outdir: Path | str, seed: int = DEFAULT_SEED) -> Path:
         raise FileExistsError(f"{outdir} exists and is not a directory")
     if is_current(outdir, seed):
         return outdir
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".tiny-model-", dir=outdir.parent) as tmp_name:
-        tmp = Path(tmp_name)
+
+    def write(tmp: Path) -> dict[str, Any]:
         _build(tmp, seed)
-        missing = [name for name in FILES if not (tmp / name).is_file()]
-        if missing:
-            raise RuntimeError(f"transformers did not write {missing} (wrote {sorted(p.name for p in tmp.iterdir())})")
-        stamp = {"spec": _wanted_stamp_spec(seed), "sha256": {name: _sha256(tmp / name) for name in FILES}}
-        (tmp / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
-        outdir.mkdir(exist_ok=True)
-        # Only our own files are replaced; anything else in outdir is left alone. The stamp goes last, so an
-        # interrupted copy leaves a directory that is_current() rejects.
-        (outdir / STAMP).unlink(missing_ok=True)
-        for name in (*FILES, STAMP):
-            shutil.move(str(tmp / name), str(outdir / name))
-    return outdir
+        return {"spec": _wanted_stamp_spec(seed)}
+
+    return publish(outdir, STAMP, write)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,18 +32,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import math
-import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from tools import make_tiny_model as tiny
+
 STAMP = "activekv_trained_model.json"
-FILES = ("config.json", "generation_config.json", "model.safetensors")
+FILES = tiny.FILES
 DEFAULT_OUTDIR = Path("build/tiny-trained")
 BOS, EOS = 256, 257
 HELDOUT_EVERY = 10  # sorted file index % 10 == 9 is held out
@@ -129,10 +128,6 @@ def heldout_tokens() -> list[int]:
     return corpus_tokens(split_files(corpus_files())[1])
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def _wanted_stamp_spec() -> dict[str, Any]:
     import torch
     import transformers
@@ -144,19 +139,12 @@ def _wanted_stamp_spec() -> dict[str, Any]:
 
 def read_stamp(outdir: Path) -> dict[str, Any] | None:
     """The stamp's contents, or None when absent or unreadable."""
-    try:
-        return json.loads((Path(outdir) / STAMP).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    return tiny.read_stamp(outdir, STAMP)
 
 
 def is_current(outdir: Path, spec: dict[str, Any] | None = None) -> bool:
     """True when `outdir` holds the model for this spec, corpus and library versions, files unmodified."""
-    stamp = read_stamp(outdir)
-    if stamp is None or stamp.get("spec") != (spec or _wanted_stamp_spec()):
-        return False
-    hashes = stamp.get("sha256", {})
-    return all((outdir / name).is_file() and hashes.get(name) == _sha256(outdir / name) for name in FILES)
+    return tiny.stamp_matches(outdir, STAMP, spec or _wanted_stamp_spec())
 
 
 def model_config(spec: dict[str, Any] = SPEC) -> Any:
@@ -285,21 +273,11 @@ def train_tiny(outdir: Path | str = DEFAULT_OUTDIR, force: bool = False, log: An
     wanted = _wanted_stamp_spec()
     if not force and is_current(outdir, wanted):
         return outdir
-    outdir.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".tiny-trained-", dir=outdir.parent) as tmp_name:
-        tmp = Path(tmp_name)
-        result = train(tmp, SPEC, log)
-        missing = [name for name in FILES if not (tmp / name).is_file()]
-        if missing:
-            raise RuntimeError(f"transformers did not write {missing} (wrote {sorted(p.name for p in tmp.iterdir())})")
-        stamp = {"spec": wanted, "result": result, "sha256": {name: _sha256(tmp / name) for name in FILES}}
-        (tmp / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
-        outdir.mkdir(exist_ok=True)
-        # The stamp goes last, so an interrupted copy leaves a directory that is_current() rejects.
-        (outdir / STAMP).unlink(missing_ok=True)
-        for name in (*FILES, STAMP):
-            shutil.move(str(tmp / name), str(outdir / name))
-    return outdir
+
+    def write(tmp: Path) -> dict[str, Any]:
+        return {"spec": wanted, "result": train(tmp, SPEC, log)}
+
+    return tiny.publish(outdir, STAMP, write)
 
 
 def main(argv: list[str] | None = None) -> int:
