@@ -241,7 +241,7 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
     const int64_t nb = g.blocks_for(seq);
     auto q = query.narrow(0, q0, lq);
     auto qg = group_query(q, g.num_kv_heads);
-    if (use_native() || use_cuda_kernel(qg.size(1))) qg = qg.contiguous();  // the kernels read rows by pointer
+    if (use_fast_kernel(qg.size(1))) qg = qg.contiguous();  // the kernels read rows by pointer
     auto st = online_softmax_init(g.num_kv_heads, qg.size(1), d, device_);
     if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
       attend_selected(L, host, bt + r * width, nb, seq, r, q, qg, st, scale);
@@ -287,7 +287,7 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
     TilePins pins{L, adm.slots};
     admit_and_copy(L, host, adm);
     const int64_t n = static_cast<int64_t>(blocks.size());
-    if (use_native() || use_cuda_kernel(qg.size(1))) {
+    if (use_fast_kernel(qg.size(1))) {
       const int64_t kvh = geometry().num_kv_heads;
       std::vector<int64_t> slots(kvh * n), pos(kvh * n);
       for (int64_t hh = 0; hh < kvh; ++hh) {
@@ -310,9 +310,9 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
                              int64_t r, const at::Tensor& q, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
   const auto& g = geometry();
   const int64_t kvh = g.num_kv_heads, bs = g.block_size, tb = g.tile_blocks, m = selection_.per_head();
-  auto row_blocks = at::empty({nb}, at::TensorOptions().dtype(at::kLong));
-  std::copy(row, row + nb, row_blocks.data_ptr<int64_t>());
-  auto pos = select_blocks(q, L.key_min, L.key_max, index_tensor(std::vector<int64_t>(row, row + nb), device_),
+  const std::vector<int64_t> ids(row, row + nb);
+  const auto row_blocks = index_tensor(ids, at::kCPU);  // one copy on CPU, a second only for a device pool
+  auto pos = select_blocks(q, L.key_min, L.key_max, device_.is_cpu() ? row_blocks : index_tensor(ids, device_),
                           selection_, /*native_scores=*/use_native());  // [KVH, m] positions
   auto pos_cpu = pos.to(at::kCPU).contiguous();
   const int64_t* pp = pos_cpu.data_ptr<int64_t>();
@@ -332,7 +332,7 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
       head_slots[hh * m + j] = adm.slots[u];
     }
   }
-  if (use_native() || use_cuda_kernel(qg.size(1))) {
+  if (use_fast_kernel(qg.size(1))) {
     // Tiles of tile_blocks per head, as the ATen path below (same tile count in telemetry).
     for (int64_t t = 0; t < m; t += tb) {
       const int64_t n = std::min(tb, m - t);

@@ -134,6 +134,8 @@ class Engine {
   bool use_native() const { return config_.kernel == Kernel::kNative && device_.is_cpu(); }
   /// kNative on CUDA: the CUDA kernel when it is built and supports the head size and rows (G * query tokens).
   bool use_cuda_kernel(int64_t rows) const;
+  /// Either fast kernel applies (kernel_tile runs it), else the ATen tile path.
+  bool use_fast_kernel(int64_t rows) const { return use_native() || use_cuda_kernel(rows); }
 
   EngineConfig config_;
   at::Device device_;
