@@ -6,6 +6,8 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <unordered_set>
+
 namespace activekv {
 
 namespace {
@@ -21,15 +23,17 @@ void check_copy(const at::Tensor& src, const at::Tensor& dst, const std::vector<
   check_writable(dst, "dst");
   AKV_CHECK_VALUE(src_ids.size() == dst_ids.size(), "src_ids and dst_ids must have equal lengths, got ",
                   src_ids.size(), " and ", dst_ids.size());
-  std::vector<bool> written(dst.size(0), false);
+  // Sized by the batch, not by dst: this runs for every admitted tile, and dst is the whole pool.
+  std::unordered_set<int64_t> written;
+  written.reserve(dst_ids.size());
   for (size_t i = 0; i < src_ids.size(); ++i) {
     AKV_CHECK_INDEX(src_ids[i] >= 0 && src_ids[i] < src.size(0), "src_ids[", i, "] must be in [0, ", src.size(0),
                     "), got ", src_ids[i]);
     AKV_CHECK_INDEX(dst_ids[i] >= 0 && dst_ids[i] < dst.size(0), "dst_ids[", i, "] must be in [0, ", dst.size(0),
                     "), got ", dst_ids[i]);
     // Two copies into one block would leave which one lands unspecified (index_copy_ does not order them).
-    AKV_CHECK_VALUE(!written[dst_ids[i]], "dst_ids[", i, "] = ", dst_ids[i], " repeats an earlier destination block");
-    written[dst_ids[i]] = true;
+    AKV_CHECK_VALUE(written.insert(dst_ids[i]).second, "dst_ids[", i, "] = ", dst_ids[i],
+                    " repeats an earlier destination block");
   }
 }
 
