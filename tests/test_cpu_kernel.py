@@ -132,3 +132,20 @@ def test_kernel_option_is_validated_and_reported() -> None:
     with pytest.raises(ValueError, match="kernel must be 'native' or 'aten', got 'fast'"):
         backend.Engine(*args, kernel="fast")
     assert backend.cpu_kernel_capability() in ("avx512", "avx2", "default")
+
+
+def test_engine_parallel_for_uses_the_intra_op_threads() -> None:
+    """The kernel and the Quest scoring split work with at::parallel_for, a header template that runs every range on
+    the calling thread unless the engine library itself is compiled with OpenMP (it once was not: native attention
+    used one thread whatever torch.set_num_threads said)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert backend.parallel_for_threads(8) == 2
+        assert backend.parallel_for_threads(1) == 1  # one task, one thread
+        torch.set_num_threads(1)
+        assert backend.parallel_for_threads(8) == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        backend.parallel_for_threads(0)

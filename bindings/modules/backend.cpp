@@ -491,6 +491,10 @@ PYBIND11_MODULE(_backend, m) {
   m.def("name", []() { return std::string("ACTIVEKV"); }, "The backend name vLLM selects.");
   m.def("cpu_kernel_capability", &activekv::cpu_kernel_capability,
         "CPU capability of the fast kernel in use: 'avx512', 'avx2' or 'default' (ATEN_CPU_CAPABILITY caps it).");
+  m.def("parallel_for_threads", &activekv::parallel_for_threads, py::arg("n"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Distinct threads that ran n tasks through at::parallel_for in the engine library (1 if it was built without "
+        "OpenMP, whatever torch.get_num_threads() says). Raises ValueError if n < 1.");
   m.def("supported_dtypes", &activekv::supported_dtypes, "Model dtypes the backend supports.");
   m.def("supported_kv_cache_dtypes", []() { return std::vector<std::string>{"auto"}; },
         "KV-cache dtypes the backend supports (no fp8).");

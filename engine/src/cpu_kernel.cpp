@@ -1,4 +1,11 @@
+#include <activekv/check.h>
 #include <activekv/cpu_kernel.h>
+
+#include <ATen/Parallel.h>
+
+#include <mutex>
+#include <set>
+#include <thread>
 
 #include <cstdlib>
 #include <cstring>
@@ -54,6 +61,17 @@ const char* cpu_kernel_capability() {
     case Cap::kDefault: return "default";
   }
   return "default";
+}
+
+int64_t parallel_for_threads(int64_t n) {
+  AKV_CHECK_VALUE(n >= 1, "n must be >= 1, got ", n);
+  std::mutex mu;
+  std::set<std::thread::id> ids;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::lock_guard<std::mutex> lock(mu);
+    ids.insert(std::this_thread::get_id());
+  });
+  return static_cast<int64_t>(ids.size());
 }
 
 }  // namespace activekv

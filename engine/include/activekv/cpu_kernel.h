@@ -59,6 +59,12 @@ void quest_scores_cpu(const QuestArgs& args, int64_t begin, int64_t end);
 /// The capability attend_blocks_cpu uses: "avx512", "avx2" or "default".
 const char* cpu_kernel_capability();
 
+/// Distinct threads that ran `n` tasks of grain 1 through at::parallel_for inside the engine library (the call the
+/// kernel and the Quest scoring make), with the caller's intra-op thread count. at::parallel_for is a header template:
+/// in a library built without OpenMP it runs every range on the calling thread, so this returns 1 whatever the thread
+/// count. @throws c10::ValueError if n < 1
+int64_t parallel_for_threads(int64_t n);
+
 namespace cpu_kernel {
 // One definition per capability (engine/src/cpu/attend_kernel.cpp compiled three times).
 namespace DEFAULT { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); }
