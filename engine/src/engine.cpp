@@ -281,6 +281,10 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
                           int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
   const int64_t bs = geometry().block_size, tb = geometry().tile_blocks;
   const auto tiles = exact_tiles(row, nb, tb);
+  if (use_native()) {
+    attend_exact_rounds(L, host, tiles, seq, lq, qg, st, scale);
+    return;
+  }
   for (size_t ti = 0; ti < tiles.size(); ++ti) {
     const auto& blocks = tiles[ti];
     auto adm = admit_tile(L, blocks, clock_);
@@ -303,6 +307,38 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
       online_softmax_tile(st, qg, tile, mask, scale);
     }
     telemetry_.add(Counter::kTilesComputed);
+  }
+}
+
+void Engine::attend_exact_rounds(LayerState& L, const at::Tensor& host, const std::vector<std::vector<int64_t>>& tiles,
+                                 int64_t seq, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
+  const int64_t kvh = geometry().num_kv_heads, tb = geometry().tile_blocks;
+  const auto pool = static_cast<int64_t>(L.block_of_slot.size());
+  size_t ti = 0;
+  while (ti < tiles.size()) {
+    // Admit tiles in order while the next one fits beside the ones held: the same slots, hits and evictions as
+    // admitting and releasing one tile at a time (a held tile's slots are the newest in LRU order, so no tile that
+    // fits would have evicted them), then one kernel call, one parallel region, for the whole round.
+    TilePins pins{L, {}};  // every slot of the round, released tile after tile as one at a time would
+    std::vector<int64_t> pos;
+    int64_t round_tiles = 0;
+    do {
+      const auto& blocks = tiles[ti];
+      auto adm = admit_tile(L, blocks, clock_);
+      pins.slots.insert(pins.slots.end(), adm.slots.begin(), adm.slots.end());
+      admit_and_copy(L, host, adm);
+      for (size_t j = 0; j < blocks.size(); ++j) pos.push_back(static_cast<int64_t>(ti) * tb + static_cast<int64_t>(j));
+      ++ti;
+      ++round_tiles;
+    } while (ti < tiles.size() && static_cast<int64_t>(tiles[ti].size()) <= pool - L.pinned_slots);
+    const auto n = static_cast<int64_t>(pos.size());
+    std::vector<int64_t> head_slots(kvh * n), head_pos(kvh * n);
+    for (int64_t hh = 0; hh < kvh; ++hh) {
+      std::copy(pins.slots.begin(), pins.slots.end(), head_slots.begin() + hh * n);
+      std::copy(pos.begin(), pos.end(), head_pos.begin() + hh * n);
+    }
+    native_tile(L, head_slots.data(), head_pos.data(), n, seq - lq, lq, qg, st, scale);
+    telemetry_.add(Counter::kTilesComputed, round_tiles);
   }
 }
 
@@ -332,7 +368,12 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
       head_slots[hh * m + j] = adm.slots[u];
     }
   }
-  if (use_fast_kernel(qg.size(1))) {
+  if (use_native()) {
+    // Every selected block is pinned already: one CPU kernel call (one parallel region) over them all, counted as the
+    // tiles of tile_blocks the other paths compute.
+    native_tile(L, head_slots.data(), pp, m, seq - 1, 1, qg, st, scale);
+    telemetry_.add(Counter::kTilesComputed, (m + tb - 1) / tb);
+  } else if (use_fast_kernel(qg.size(1))) {
     // Tiles of tile_blocks per head, as the ATen path below (same tile count in telemetry).
     for (int64_t t = 0; t < m; t += tb) {
       const int64_t n = std::min(tb, m - t);
@@ -402,6 +443,11 @@ void Engine::kernel_tile(LayerState& L, const std::vector<int64_t>& slots, const
   cuda_attend()(a);
 }
 
+namespace {
+// Query rows per KV head up to which native_tile walks blocks outermost (a GQA group of up to 16 decode rows).
+constexpr int64_t kBlockOuterRows = 16;
+}  // namespace
+
 void Engine::native_tile(LayerState& L, const int64_t* slots, const int64_t* pos, int64_t n, int64_t first_query_pos,
                          int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
   const auto& g = geometry();
@@ -416,25 +462,35 @@ void Engine::native_tile(LayerState& L, const int64_t* slots, const int64_t* pos
   float* m = st.m.data_ptr<float>();
   float* l = st.l.data_ptr<float>();
   float* acc = st.acc.data_ptr<float>();
-  // One task per KV head: each head's arithmetic is sequential, so results do not depend on the thread count.
+  // Tasks are KV heads: each head's blocks are attended in order by one thread, so results do not depend on the
+  // thread count (nor on the loop order below). Decode-sized rows: a thread walks block after block over its heads,
+  // reading a slot's heads as one contiguous run (the pool is [P, KVH, 2, bs, D]). Long prefill chunks: head after
+  // head, so one head's accumulator ([rows, D] float32) stays in cache across its blocks.
+  const bool block_outer = rows <= kBlockOuterRows;
   at::parallel_for(0, kvh, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t hh = begin; hh < end; ++hh) {
-      AttendArgs a;
-      a.dtype = g.dtype;
-      a.block_size = bs;
-      a.head_size = d;
-      a.rows = rows;
-      a.num_q = lq;
-      a.first_query_pos = first_query_pos;
-      a.scale = scale;
+    AttendArgs a;
+    a.dtype = g.dtype;
+    a.block_size = bs;
+    a.head_size = d;
+    a.rows = rows;
+    a.num_q = lq;
+    a.first_query_pos = first_query_pos;
+    a.scale = scale;
+    auto run = [&](int64_t hh, int64_t j, int64_t count) {
       a.q = q + hh * rows * d;
-      a.num_blocks = n;
-      a.kv = ptrs.data() + hh * n;
-      a.block_pos = pos + hh * n;
+      a.num_blocks = count;
+      a.kv = ptrs.data() + hh * n + j;
+      a.block_pos = pos + hh * n + j;
       a.m = m + hh * rows;
       a.l = l + hh * rows;
       a.acc = acc + hh * rows * d;
       attend_blocks_cpu(a);
+    };
+    if (block_outer) {
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t hh = begin; hh < end; ++hh) run(hh, j, 1);
+    } else {
+      for (int64_t hh = begin; hh < end; ++hh) run(hh, 0, n);
     }
   });
 }

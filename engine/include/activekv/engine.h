@@ -121,6 +121,10 @@ class Engine {
   void check_layer(int64_t layer) const;
   void attend_exact(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq, int64_t lq,
                     const at::Tensor& qg, OnlineSoftmax& st, double scale);
+  /// attend_exact with the CPU kernel: tiles admitted in order while they fit the pool together, each such round one
+  /// kernel call (one parallel region); admission, transfers and telemetry as one tile at a time.
+  void attend_exact_rounds(LayerState& L, const at::Tensor& host, const std::vector<std::vector<int64_t>>& tiles,
+                           int64_t seq, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
   void attend_selected(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
                        int64_t r, const at::Tensor& q, const at::Tensor& qg, OnlineSoftmax& st, double scale);
   void admit_and_copy(LayerState& L, const at::Tensor& host, TileAdmission& adm);

@@ -15,48 +15,131 @@ using Vec = at::vec::Vectorized<float>;
 
 namespace {
 
-// dst[0:n] = float(src[0:n]) for bfloat16 / float16 blocks
+// dst[0:n] = float(src[0:n]) for bfloat16 / float16 blocks: a full vector of 16-bit values (two float vectors) at a
+// time, then half vectors, then scalars.
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
-  {
-    int64_t i = 0;
-    for (; i + Vec::size() <= n; i += Vec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(src + i, Vec::size()));
-      (void)hi;
-      lo.store(dst + i);
+  using VecT = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    static_assert(VecT::size() == 2 * W, "a 16-bit vector holds two float vectors");
+    auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(src + i));
+    lo.store(dst + i);
+    hi.store(dst + i + W);
+  }
+  for (; i + W <= n; i += W) {
+    auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(src + i, W));
+    (void)hi;
+    lo.store(dst + i);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline float reduce_add(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// One block for RB query rows (rows r0 .. r0 + RB - 1 of the args): the rows share every load of K and V. Scores are
+// q . k per key (vectorised fused multiply-adds over the head, reduced once per key), the online-softmax state of each
+// row is rescaled once per block, and the accumulator of each row is read and written once per block: the head is
+// walked one vector at a time with the RB rows' accumulators in registers while the keys stream past.
+template <int RB>
+void block_rows(const AttendArgs& a, int64_t r0, const float* kp, const float* vp, int64_t key0, float* s) {
+  const int64_t bs = a.block_size, d = a.head_size;
+  constexpr int64_t W = Vec::size();
+  const int64_t dv = d - d % W;  // vectorised part of the head
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const float scale = static_cast<float>(a.scale);
+  int64_t valid[RB];
+  int64_t vmax = 0, vmin = bs;
+  for (int i = 0; i < RB; ++i) {
+    const int64_t qpos = a.first_query_pos + (r0 + i) % a.num_q;
+    valid[i] = std::min<int64_t>(bs, std::max<int64_t>(0, qpos - key0 + 1));  // causal: key <= query
+    vmax = std::max(vmax, valid[i]);
+    vmin = std::min(vmin, valid[i]);
+  }
+  if (vmax == 0) return;
+  const float* q[RB];
+  for (int i = 0; i < RB; ++i) q[i] = a.q + (r0 + i) * d;
+  // Scores s[i * bs + t] for t < vmax (keys past a row's causal limit are computed and then ignored).
+  for (int64_t t = 0; t < vmax; ++t) {
+    const float* k = kp + t * d;
+    Vec acc[RB];
+    for (int i = 0; i < RB; ++i) acc[i] = Vec(0.f);
+    for (int64_t j = 0; j < dv; j += W) {
+      const Vec kv = Vec::loadu(k + j);
+      for (int i = 0; i < RB; ++i) acc[i] = at::vec::fmadd(Vec::loadu(q[i] + j), kv, acc[i]);
     }
-    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    for (int i = 0; i < RB; ++i) {
+      float r = reduce_add(acc[i]);
+      for (int64_t j = dv; j < d; ++j) r += q[i][j] * k[j];
+      s[i * bs + t] = r * scale;
+    }
+  }
+  // Online softmax per row: new running max, rescale factor, probabilities in place of the scores.
+  float alpha[RB];
+  for (int i = 0; i < RB; ++i) {
+    const int64_t r = r0 + i, n = valid[i];
+    float* si = s + i * bs;
+    if (n == 0) {
+      alpha[i] = 1.f;
+      continue;
+    }
+    float mx = kNegInf;
+    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, si[t]);
+    const float m_new = std::max(a.m[r], mx);
+    alpha[i] = std::exp(a.m[r] - m_new);  // m = -inf before the first key: alpha = 0
+    int64_t t = 0;
+    const Vec vm(m_new);
+    for (; t + W <= n; t += W) (Vec::loadu(si + t) - vm).exp().store(si + t);
+    for (; t < n; ++t) si[t] = std::exp(si[t] - m_new);
+    float l = 0.f;
+    for (t = 0; t < n; ++t) l += si[t];
+    a.l[r] = a.l[r] * alpha[i] + l;
+    a.m[r] = m_new;
+  }
+  // acc = acc * alpha + sum_t p_t v_t, one vector of the head at a time; a row reads only its valid keys' V.
+  float* acc[RB];
+  for (int i = 0; i < RB; ++i) acc[i] = a.acc + (r0 + i) * d;
+  for (int64_t j = 0; j < dv; j += W) {
+    Vec o[RB];
+    for (int i = 0; i < RB; ++i) o[i] = Vec::loadu(acc[i] + j) * Vec(alpha[i]);
+    if (vmin == vmax) {
+      for (int64_t t = 0; t < vmax; ++t) {
+        const Vec v = Vec::loadu(vp + t * d + j);
+        for (int i = 0; i < RB; ++i) o[i] = at::vec::fmadd(Vec(s[i * bs + t]), v, o[i]);
+      }
+    } else {
+      for (int64_t t = 0; t < vmax; ++t) {
+        const Vec v = Vec::loadu(vp + t * d + j);
+        for (int i = 0; i < RB; ++i)
+          if (t < valid[i]) o[i] = at::vec::fmadd(Vec(s[i * bs + t]), v, o[i]);
+      }
+    }
+    for (int i = 0; i < RB; ++i) o[i].store(acc[i] + j);
+  }
+  for (int64_t j = dv; j < d; ++j) {
+    for (int i = 0; i < RB; ++i) {
+      float o = acc[i][j] * alpha[i];
+      for (int64_t t = 0; t < valid[i]; ++t) o += s[i * bs + t] * vp[t * d + j];
+      acc[i][j] = o;
+    }
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  Vec s(0.f);
-  for (; i + Vec::size() <= n; i += Vec::size()) s = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), s);
-  float r = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s);
-  for (; i < n; ++i) r += a[i] * b[i];
-  return r;
-}
-
-// y = y * alpha + p * x
-inline void scale_axpy(float* y, float alpha, float p, const float* x, int64_t n) {
-  int64_t i = 0;
-  const Vec va(alpha), vp(p);
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    at::vec::fmadd(Vec::loadu(x + i), vp, Vec::loadu(y + i) * va).store(y + i);
-  }
-  for (; i < n; ++i) y[i] = y[i] * alpha + p * x[i];
-}
+constexpr int kRowBlock = 4;  // query rows sharing each pass over a block (a GQA group of 4 in one pass)
 
 template <typename T>
 void attend(const AttendArgs& a) {
   const int64_t bs = a.block_size, d = a.head_size;
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  // Per-thread scratch: the block's K and V as float32, and one row's scores.
+  // Per-thread scratch: the block's K and V as float32 (16-bit dtypes), and the scores of kRowBlock rows.
   thread_local std::vector<float> kf, vf, s;
-  kf.resize(bs * d);
-  vf.resize(bs * d);
-  s.resize(bs);
+  if constexpr (!std::is_same_v<T, float>) {
+    kf.resize(bs * d);
+    vf.resize(bs * d);
+  }
+  s.resize(kRowBlock * bs);
   for (int64_t b = 0; b < a.num_blocks; ++b) {
     const T* kv = static_cast<const T*>(a.kv[b]);
     const float* kp;
@@ -71,31 +154,13 @@ void attend(const AttendArgs& a) {
       vp = vf.data();
     }
     const int64_t key0 = a.block_pos[b] * bs;
-    for (int64_t r = 0; r < a.rows; ++r) {
-      const int64_t qpos = a.first_query_pos + r % a.num_q;
-      const int64_t valid = std::min<int64_t>(bs, std::max<int64_t>(0, qpos - key0 + 1));  // causal: key <= query
-      if (valid == 0) continue;
-      const float* q = a.q + r * d;
-      float mx = kNegInf;
-      for (int64_t t = 0; t < valid; ++t) {
-        s[t] = static_cast<float>(dot(q, kp + t * d, d) * a.scale);
-        mx = std::max(mx, s[t]);
-      }
-      const float m_new = std::max(a.m[r], mx);
-      const float alpha = std::exp(a.m[r] - m_new);  // m = -inf before the first key: alpha = 0
-      float* acc = a.acc + r * d;
-      float l = a.l[r] * alpha;
-      // exp over the block's scores, vectorised where the block allows
-      int64_t t = 0;
-      const Vec vm(m_new);
-      for (; t + Vec::size() <= valid; t += Vec::size()) (Vec::loadu(s.data() + t) - vm).exp().store(s.data() + t);
-      for (; t < valid; ++t) s[t] = std::exp(s[t] - m_new);
-      for (t = 0; t < valid; ++t) {
-        l += s[t];
-        scale_axpy(acc, t == 0 ? alpha : 1.f, s[t], vp + t * d, d);
-      }
-      a.m[r] = m_new;
-      a.l[r] = l;
+    int64_t r0 = 0;
+    for (; r0 + kRowBlock <= a.rows; r0 += kRowBlock) block_rows<kRowBlock>(a, r0, kp, vp, key0, s.data());
+    switch (a.rows - r0) {
+      case 3: block_rows<3>(a, r0, kp, vp, key0, s.data()); break;
+      case 2: block_rows<2>(a, r0, kp, vp, key0, s.data()); break;
+      case 1: block_rows<1>(a, r0, kp, vp, key0, s.data()); break;
+      default: break;
     }
   }
 }
