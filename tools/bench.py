@@ -1,15 +1,16 @@
 """Decode attention benchmark: median milliseconds per step, printed as the markdown table of docs/benchmarks.md.
 
 `python -m tools.bench` (what `make bench` runs). One decode step of one attention layer, for a batch of requests
-that each bring one new token to a context of the row's length: 32 query heads, 8 KV heads, head size 128, float32,
-block size 16, 2 threads, synthetic seeded tensors, block tables a seeded permutation of the block ids. A step is
-timed through the path vLLM drives, per column:
+that each bring one new token to a context of the row's length: 32 query heads, 8 KV heads, head size 128, float32
+and bfloat16 (`--dtypes`), block size 16, 2 threads, synthetic seeded tensors, block tables a seeded permutation of
+the block ids. A step is timed through the path vLLM drives, per column:
 
 - ActiveKV exact (`activekv._backend.Builder`/`Impl`, called as vLLM's patched backend calls them): `build` the step
   plan, `do_kv_cache_update` the new token of every row (into the row's last slot, so the context length stays fixed
   and the last block's pool copy is written through), `forward` (admission, host -> pool transfer, tiled attention).
   Pool columns: the pool holds every block the step reads, or a quarter of them (exact mode then streams every block
-  each step).
+  each step). Attention by the fast CPU kernel (`kernel` "native", the default), and in the "ATen path" column by
+  the ATen tile path (`kernel` "aten", the path the Python reference mirrors bit for bit), pool=all.
 - ActiveKV compressed: the same calls with `mode=compressed`, `budget_tokens` 2048, `sink_blocks` 1, `recent_blocks`
   2 and the default pool: the worst-case union of one row's selections (8 KV heads x 125 + 3 = 1003 blocks) for
   each of the scheduler's rows, capped at the KV cache's blocks (the Builder reads `scheduler_config.max_num_seqs`
@@ -28,7 +29,9 @@ largest absolute difference over those columns), so a fast but wrong path shows.
 design, so its difference from SDPA is its own column ("compressed diff (approximate)": the largest absolute
 difference and the relative L2 error of the batch's output), not a correctness check: on these random keys
 attention is spread evenly, the case where top-k selection is known to lose most (docs/quality.md measures quality on
-a trained model). A second table gives the speed ratios of compressed mode (each pool) against the other columns.
+a trained model). A second table gives each exact column's time over CPU_ATTN block 128's (vLLM's CPU default; the
+target is at most 1.0x) and CPU_ATTN block 128's over compressed mode's; a third the speed ratios of compressed mode
+(each pool) against the other columns.
 
 Timings: warm-up steps first (they also fill the pool), then repetitions until `--min-reps` and `--budget-s` are both
 met (at most `--max-reps`; a slow cell stops after `--cap-s` once it has 3), so the default run takes a few minutes.
@@ -54,7 +57,7 @@ NUM_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
-DTYPE = torch.float32
+DTYPES = ("float32", "bfloat16")  # model dtypes benchmarked (--dtypes)
 TILE_BLOCKS = 16  # ActiveKV's default tile (256 tokens)
 CONTEXTS = (2048, 8192, 16384, 32768)
 BATCHES = (1, 8)
@@ -65,18 +68,22 @@ COMPRESSED = {"mode": "compressed", "budget_tokens": 2048, "sink_blocks": 1, "re
 # Column headers (milliseconds per step); docs/benchmarks.md explains each.
 EXACT_POOL_ALL = "ActiveKV exact pool=all"
 EXACT_POOL_QUARTER = "ActiveKV exact pool=1/4"
+EXACT_ATEN = "ActiveKV exact ATen path pool=all"
 COMPRESSED_COLUMN = "ActiveKV compressed 2048"
 COMPRESSED_ONE_UNION = "ActiveKV compressed 2048 pool=one union"
 CPU_ATTN_16 = "CPU_ATTN block 16"
 CPU_ATTN_128 = "CPU_ATTN block 128"
 SDPA = "SDPA"
-COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, COMPRESSED_COLUMN, COMPRESSED_ONE_UNION, CPU_ATTN_16, CPU_ATTN_128,
+COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, EXACT_ATEN, COMPRESSED_COLUMN, COMPRESSED_ONE_UNION, CPU_ATTN_16, CPU_ATTN_128,
            SDPA)
 # Columns whose output must equal attention over the whole context (within float32 rounding).
-EXACT_COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, CPU_ATTN_16, CPU_ATTN_128)
+EXACT_COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, EXACT_ATEN, CPU_ATTN_16, CPU_ATTN_128)
 # Speed ratios reported per row and compressed column: (column / compressed). Above 1: compressed is that many times
 # faster.
 RATIO_COLUMNS = (CPU_ATTN_16, CPU_ATTN_128, EXACT_POOL_ALL, SDPA)
+# Issue 9's ratios: ActiveKV exact columns against vLLM's CPU default (at most 1.0x is the target), and CPU_ATTN
+# against compressed mode (above 1: compressed is faster).
+VS_CPU_ATTN = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, EXACT_ATEN)
 SAME_AS_DEFAULT = "= default"  # pool=one union at batch 1 is the default pool
 
 
@@ -99,6 +106,10 @@ class Case:
     value: torch.Tensor  # same as key
     query: torch.Tensor  # [batch, NUM_HEADS, HEAD_SIZE]
     seed: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key.dtype
 
     @property
     def scale(self) -> float:
@@ -125,12 +136,13 @@ class Case:
                 torch.full((self.batch,), self.context, dtype=torch.int32))
 
 
-def make_case(context: int, batch: int, seed: int) -> Case:
+def make_case(context: int, batch: int, seed: int, dtype: torch.dtype = torch.float32) -> Case:
+    """Seeded float32 draws, rounded to `dtype` (so the dtypes share their values up to rounding)."""
     gen = torch.Generator().manual_seed(seed)
     shape = (batch * context, NUM_KV_HEADS, HEAD_SIZE)
-    key = torch.randn(shape, generator=gen, dtype=DTYPE)
-    value = torch.randn(shape, generator=gen, dtype=DTYPE)
-    query = torch.randn((batch, NUM_HEADS, HEAD_SIZE), generator=gen, dtype=DTYPE)
+    key = torch.randn(shape, generator=gen).to(dtype)
+    value = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn((batch, NUM_HEADS, HEAD_SIZE), generator=gen).to(dtype)
     return Case(context, batch, key, value, query, seed)
 
 
@@ -181,12 +193,12 @@ def cpu_attn_column(case: Case, block_size: int) -> tuple[Callable[[], None], to
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    isa = _get_attn_isa(DTYPE, block_size, HEAD_SIZE, "auto")
+    isa = _get_attn_isa(case.dtype, block_size, HEAD_SIZE, "auto")
     block_table = case.block_table(block_size)
     slots = case.slot_mapping(block_table, block_size)
     num_blocks = block_table.numel()
     # [num_blocks, num_kv_heads, block_size, 2 * head_size], split as cpu_attn.py does into K and V halves
-    kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=DTYPE)
+    kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=case.dtype)
     key_cache, value_cache = kv_cache.view(num_blocks, NUM_KV_HEADS, 2 * block_size, HEAD_SIZE).chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(case.key, case.value, key_cache, value_cache, slots, isa)
     last = case.last_rows()
@@ -197,7 +209,7 @@ def cpu_attn_column(case: Case, block_size: int) -> tuple[Callable[[], None], to
     def step() -> None:
         metadata = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=case.batch, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_SIZE,
-            seq_lens=seq_lens, dtype=DTYPE, query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
+            seq_lens=seq_lens, dtype=case.dtype, query_start_loc=query_start_loc, causal=True, sliding_window_size=-1,
             isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
         )
         ops.cpu_attn_reshape_and_cache(new_key, new_value, key_cache, value_cache, new_slots, isa)
@@ -219,7 +231,7 @@ def activekv_column(case: Case, backend: Any, options: dict[str, Any]) -> tuple[
     block_table = case.block_table(BLOCK_SIZE)
     slots = case.slot_mapping(block_table, BLOCK_SIZE)
     num_blocks = block_table.numel()
-    spec = SimpleNamespace(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE,
+    spec = SimpleNamespace(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=case.dtype,
                            sliding_window=None)
     config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: NUM_HEADS),
                              parallel_config=None,
@@ -232,7 +244,7 @@ def activekv_column(case: Case, backend: Any, options: dict[str, Any]) -> tuple[
     impl = backend.Impl(NUM_HEADS, HEAD_SIZE, case.scale, NUM_KV_HEADS)
     # vLLM's LBHNC per-layer view [num_blocks, num_kv_heads, block_size, 2 * head_size]; ActiveKV reads it as
     # [num_blocks, num_kv_heads, 2, block_size, head_size].
-    kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE), dtype=DTYPE)
+    kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE), dtype=case.dtype)
     impl.do_kv_cache_update(layer, case.key, case.value, kv_cache, slots)
     last = case.last_rows()
     new_key, new_value, new_slots = case.key[last], case.value[last], slots[last]
@@ -250,10 +262,11 @@ def activekv_column(case: Case, backend: Any, options: dict[str, Any]) -> tuple[
     return step, out
 
 
-def exact_options(case: Case, pool_fraction: int) -> dict[str, Any]:
-    """Exact mode with a pool of the blocks one step reads, divided by `pool_fraction` (at least one tile)."""
+def exact_options(case: Case, pool_fraction: int, kernel: str = "native") -> dict[str, Any]:
+    """Exact mode with a pool of the blocks one step reads, divided by `pool_fraction` (at least one tile), and the
+    attention `kernel` ("native": the fast CPU kernel, the default; "aten": the ATen tile path)."""
     num_blocks = case.batch * case.context // BLOCK_SIZE
-    return {"mode": "exact", "pool_blocks": max(TILE_BLOCKS, num_blocks // pool_fraction)}
+    return {"mode": "exact", "pool_blocks": max(TILE_BLOCKS, num_blocks // pool_fraction), "kernel": kernel}
 
 
 def worst_case_union_blocks() -> int:
@@ -274,6 +287,14 @@ def machine_line() -> str:
     return f"{model}, nproc {os.cpu_count()}, load average {load} at start (other work skews 2-thread timings)"
 
 
+def cpu_attn_isas(dtypes: Sequence[torch.dtype]) -> str:
+    """The ISA vLLM's CPU_ATTN picks per dtype at block 16 / 128 (as cpu_attn.py's _get_attn_isa decides)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return ", ".join(f"{str(t).removeprefix('torch.')} {_get_attn_isa(t, 16, HEAD_SIZE, 'auto')} / "
+                     f"{_get_attn_isa(t, 128, HEAD_SIZE, 'auto')}" for t in dtypes)
+
+
 def load_backend() -> tuple[Any | None, str]:
     """(activekv._backend, version) or (None, why)."""
     try:
@@ -291,6 +312,7 @@ def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tup
     return {
         EXACT_POOL_ALL: (lambda: activekv_column(case, backend, exact_options(case, 1))) if akv else None,
         EXACT_POOL_QUARTER: (lambda: activekv_column(case, backend, exact_options(case, 4))) if akv else None,
+        EXACT_ATEN: (lambda: activekv_column(case, backend, exact_options(case, 1, "aten"))) if akv else None,
         COMPRESSED_COLUMN: (lambda: activekv_column(case, backend, COMPRESSED)) if akv else None,
         COMPRESSED_ONE_UNION: (lambda: activekv_column(
             case, backend, {**COMPRESSED, "pool_blocks": worst_case_union_blocks()}))
@@ -301,54 +323,62 @@ def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tup
     }
 
 
-def run(contexts: Sequence[int], batches: Sequence[int], timing: Timing, seed: int) -> tuple[list[str], list[str],
-                                                                                               list[int]]:
-    """Benchmark every (context, batch); returns (markdown table lines, ratio table lines, repetitions of every timed
-    cell)."""
+def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequence[int], timing: Timing,
+        seed: int) -> tuple[list[str], list[str], list[str], list[int]]:
+    """Benchmark every (dtype, context, batch); returns (markdown table lines, compressed ratio table lines, exact vs
+    CPU_ATTN ratio table lines, repetitions of every timed cell)."""
     backend, _ = load_backend()
-    header = ["context", "batch", *COLUMNS, "max diff (exact)", "compressed diff (approximate)"]
+    header = ["dtype", "context", "batch", *COLUMNS, "max diff (exact)", "compressed diff (approximate)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    ratio_header = ["context", "batch", "compressed pool", *(f"{c} / compressed" for c in RATIO_COLUMNS)]
+    ratio_header = ["dtype", "context", "batch", "compressed pool", *(f"{c} / compressed" for c in RATIO_COLUMNS)]
     ratio_lines = ["| " + " | ".join(ratio_header) + " |", "|" + "---|" * len(ratio_header)]
+    vs_header = ["dtype", "context", "batch", *(f"{c} / {CPU_ATTN_128}" for c in VS_CPU_ATTN),
+                 f"{CPU_ATTN_128} / {COMPRESSED_COLUMN}"]
+    vs_lines = ["| " + " | ".join(vs_header) + " |", "|" + "---|" * len(vs_header)]
     reps: list[int] = []
-    for context in contexts:
-        for batch in batches:
-            case = make_case(context, batch, seed)
-            ms: dict[str, float] = {}
-            outputs: dict[str, torch.Tensor] = {}
-            for name, make in column_makers(case, backend).items():
-                if make is None:
-                    continue
-                step, out = make()
-                ms[name], n = time_step(step, timing)
-                reps.append(n)
-                outputs[name] = out
-                del step  # frees this column's cache and pool before the next one is built
-            reference = outputs[SDPA]
+    for dtype, context, batch in ((t, c, b) for t in dtypes for c in contexts for b in batches):
+        case = make_case(context, batch, seed, dtype)
+        ms: dict[str, float] = {}
+        outputs: dict[str, torch.Tensor] = {}
+        for name, make in column_makers(case, backend).items():
+            if make is None:
+                continue
+            step, out = make()
+            ms[name], n = time_step(step, timing)
+            reps.append(n)
+            outputs[name] = out
+            del step  # frees this column's cache and pool before the next one is built
+        reference = outputs[SDPA]
 
-            def diff(name: str) -> float:
-                return (outputs[name] - reference).abs().max().item()
+        def diff(name: str) -> float:
+            return (outputs[name] - reference).abs().max().item()
 
-            worst = max(diff(name) for name in EXACT_COLUMNS if name in outputs)
-            compressed = MISSING
-            if COMPRESSED_COLUMN in outputs:
-                rel = ((outputs[COMPRESSED_COLUMN] - reference).norm() / reference.norm()).item()
-                compressed = f"max {diff(COMPRESSED_COLUMN):.1e}, rel {rel:.1e}"
-            missing = {name: SAME_AS_DEFAULT if name == COMPRESSED_ONE_UNION and backend is not None else MISSING
-                       for name in COLUMNS}
-            cells = [f"{ms[name]:.2f}" if name in ms else missing[name] for name in COLUMNS]
-            label = f"| {context // 1024}k | {batch} | "
-            lines.append(label + " | ".join(cells) + f" | {worst:.1e} | {compressed} |")
-            for variant, pool in ((COMPRESSED_COLUMN, "default"), (COMPRESSED_ONE_UNION, "one union")):
-                if variant in ms:
-                    ratios = [f"{ms[name] / ms[variant]:.2f}x" for name in RATIO_COLUMNS]
-                    ratio_lines.append(label + f"{pool} | " + " | ".join(ratios) + " |")
-            del case, outputs, reference
-    return lines, ratio_lines, reps
+        worst = max(diff(name) for name in EXACT_COLUMNS if name in outputs)
+        compressed = MISSING
+        if COMPRESSED_COLUMN in outputs:
+            rel = ((outputs[COMPRESSED_COLUMN] - reference).norm() / reference.norm()).item()
+            compressed = f"max {diff(COMPRESSED_COLUMN):.1e}, rel {rel:.1e}"
+        missing = {name: SAME_AS_DEFAULT if name == COMPRESSED_ONE_UNION and backend is not None else MISSING
+                   for name in COLUMNS}
+        cells = [f"{ms[name]:.2f}" if name in ms else missing[name] for name in COLUMNS]
+        label = f"| {str(dtype).removeprefix('torch.')} | {context // 1024}k | {batch} | "
+        lines.append(label + " | ".join(cells) + f" | {worst:.1e} | {compressed} |")
+        for variant, pool in ((COMPRESSED_COLUMN, "default"), (COMPRESSED_ONE_UNION, "one union")):
+            if variant in ms:
+                ratios = [f"{ms[name] / ms[variant]:.2f}x" for name in RATIO_COLUMNS]
+                ratio_lines.append(label + f"{pool} | " + " | ".join(ratios) + " |")
+        if CPU_ATTN_128 in ms:
+            vs = [f"{ms[name] / ms[CPU_ATTN_128]:.2f}x" if name in ms else MISSING
+                  for name in VS_CPU_ATTN]
+            vs.append(f"{ms[CPU_ATTN_128] / ms[COMPRESSED_COLUMN]:.2f}x" if COMPRESSED_COLUMN in ms else MISSING)
+            vs_lines.append(label + " | ".join(vs) + " |")
+        del case, outputs, reference
+    return lines, ratio_lines, vs_lines, reps
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="model dtypes")
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="tokens per row")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="rows (requests) per step")
     parser.add_argument("--threads", type=int, default=2)
@@ -368,11 +398,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     import vllm
 
-    _, akv_version = load_backend()
+    akv_backend, akv_version = load_backend()
+    akv_capability = akv_backend.cpu_kernel_capability() if akv_backend is not None else MISSING
     machine = machine_line()
     started = time.perf_counter()
     timing = Timing(args.warmup, args.min_reps, args.max_reps, args.budget_s, args.cap_s)
-    table, ratios, reps = run(args.contexts, args.batches, timing, args.seed)
+    dtypes = [getattr(torch, name) for name in args.dtypes]
+    table, ratios, vs_cpu_attn, reps = run(dtypes, args.contexts, args.batches, timing, args.seed)
     elapsed = time.perf_counter() - started
     command = shlex.join(["python", "-m", "tools.bench", *(argv if argv is not None else sys.argv[1:])])
     print(f"command: `{command}`")
@@ -380,13 +412,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"versions: torch {torch.__version__}, vllm {vllm.__version__}, activekv {akv_version}, "
           f"python {platform.python_version()}")
     print(f"setup: decode (1 query token per row), {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head size "
-          f"{HEAD_SIZE}, {str(DTYPE).removeprefix('torch.')}, ActiveKV block {BLOCK_SIZE} / tile {TILE_BLOCKS} "
+          f"{HEAD_SIZE}, {' and '.join(args.dtypes)} (CPU_ATTN ISA {cpu_attn_isas(dtypes)}; ActiveKV CPU kernel "
+          f"{akv_capability}), ActiveKV block {BLOCK_SIZE} / tile {TILE_BLOCKS} "
           f"blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink {COMPRESSED['sink_blocks']} / "
           f"recent {COMPRESSED['recent_blocks']} / default pool batch x {worst_case_union_blocks()} blocks, "
           f"{torch.get_num_threads()} threads; median ms per step of one layer after up to {args.warmup} "
           f"warm-up steps, {min(reps)}-{max(reps)} reps per cell; seed {args.seed}; run took {elapsed:.0f} s")
     print()
     print("\n".join(table))
+    if len(vs_cpu_attn) > 2:
+        print()
+        print(f"ActiveKV exact against vLLM's CPU default (column's ms / {CPU_ATTN_128} ms; at most 1.00x: as fast "
+              f"or faster), and {CPU_ATTN_128} / compressed (above 1: compressed is faster):")
+        print()
+        print("\n".join(vs_cpu_attn))
     if len(ratios) > 2:
         print()
         print("Speed ratios (column's ms / compressed ms; above 1: compressed is faster):")
