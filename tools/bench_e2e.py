@@ -1,0 +1,110 @@
+"""End-to-end decode throughput: vLLM generating on the local model with ActiveKV exact mode against stock CPU_ATTN.
+
+`python -m tools.bench_e2e [--context 8192] [--batch 8] [--new-tokens 32] [--repeats 2]` (what `make bench-e2e`
+runs). The model is the tests' tiny random Llama (`tools/make_tiny_model.py`: 2 layers, 4 query heads, 2 KV heads,
+head size 32, float32) copied to `build/tiny-llama-e2e` with `max_position_embeddings` raised to cover the context (the
+default RoPE has no scaling: the weights do not depend on it). Per backend, one in-process vLLM engine
+(`tools/vllm_run.py`, greedy, eager, prefix caching off, `max_num_batched_tokens` = batch x context so each batch
+prefills in one step): `--batch` seeded prompts of `--context` tokens, generated once with 1 new token (prefill
+only) and once with `--new-tokens` + 1 (prefill + decode), `--repeats` times, alternating. Decode tokens/s =
+batch x new tokens / (median time with decode - median time without). ActiveKV runs with its default options
+(exact mode, default pool and tile) at vLLM block size 16; CPU_ATTN at its default block size (128). The engines run
+one after the other; the table says how many forward steps vLLM counted and, for ActiveKV, how many native forward
+calls its telemetry counted (the proof the native path ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def e2e_model(context: int, new_tokens: int) -> Path:
+    """The tiny model with max_position_embeddings >= context + new tokens (written once, then kept)."""
+    from tools.make_tiny_model import make_tiny_model
+
+    base = make_tiny_model(ROOT / "build" / "tiny-llama")
+    out = ROOT / "build" / "tiny-llama-e2e"
+    need = 1 << (context + new_tokens + 16 - 1).bit_length()
+    config_path = out / "config.json"
+    if config_path.exists() and json.loads(config_path.read_text())["max_position_embeddings"] >= need:
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config["max_position_embeddings"] = need
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def measure(model: Path, backend: str, args: argparse.Namespace) -> dict:
+    from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine, make_prompts
+
+    config = EngineConfig(
+        str(model), backend=backend, activekv={} if backend == ACTIVEKV else None,
+        block_size=16 if backend == ACTIVEKV else None, max_model_len=args.context + args.new_tokens + 16,
+        max_num_seqs=args.batch, kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.batch * args.context)
+    prompts = make_prompts([args.context] * args.batch, vocab_size=512, seed=args.seed)
+    prefill: list[float] = []
+    full: list[float] = []
+    with VllmEngine(config) as engine:
+        engine.generate(prompts, 1)  # warm-up
+        steps = native = 0
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            engine.generate(prompts, 1)
+            prefill.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            gen = engine.generate(prompts, args.new_tokens + 1)
+            full.append(time.perf_counter() - t0)
+            steps = gen.steps
+            native = gen.telemetry["forward_calls"] if gen.telemetry else 0
+    decode_s = statistics.median(full) - statistics.median(prefill)
+    return {"backend": backend, "prefill_s": statistics.median(prefill), "full_s": statistics.median(full),
+            "decode_s": decode_s, "tokens_per_s": args.batch * args.new_tokens / decode_s, "steps": steps,
+            "native_forwards": native}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_e2e", description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=8192, help="prompt tokens per request")
+    parser.add_argument("--batch", type=int, default=8, help="requests decoded together")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode tokens per request")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--kv-cache-gib", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from tools.vllm_run import ACTIVEKV, CPU_ATTN
+
+    model = e2e_model(args.context, args.new_tokens)
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    rows = [measure(model, backend, args) for backend in (CPU_ATTN, ACTIVEKV)]
+    base = rows[0]["tokens_per_s"]
+    print(f"command: `python -m tools.bench_e2e {' '.join(argv if argv is not None else sys.argv[1:])}`")
+    print(f"model: {model} (2 layers, 4 query heads, 2 KV heads, head size 32, float32); context {args.context}, "
+          f"batch {args.batch}, {args.new_tokens} decode tokens per request, {args.repeats} repeats; load average "
+          f"{load} at start")
+    print()
+    print("| backend | prefill only s | prefill + decode s | decode s | decode tokens/s | / CPU_ATTN | vLLM steps "
+          "(last run) | native forward calls (last run) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['backend']} | {r['prefill_s']:.2f} | {r['full_s']:.2f} | {r['decode_s']:.2f} | "
+              f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['steps']} | {r['native_forwards']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
