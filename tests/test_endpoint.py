@@ -79,7 +79,10 @@ def test_contract_shape() -> None:
     plugin = endpoint.EndpointPlugin()
     assert isinstance(plugin, EndpointPlugin)  # vLLM's runtime-checkable Protocol
     assert plugin.name == "activekv" and plugin.required_tasks is None and not plugin.initialized
-    assert set(routes(plugin)) == {"/v1/activekv/telemetry", "/v1/activekv/health"}
+    added = routes(plugin)
+    assert set(added) == {"/v1/activekv/telemetry", "/v1/activekv/health"}
+    # vLLM's serve_http logs `endpoint.__name__` of every route registered without methods (launcher.py:206).
+    assert {r.__name__ for r in added.values()} == {"activekv_telemetry", "activekv_health"}
     assert type(plugin.init_state(None, None, None)) is endpoint.Awaitable
 
 

@@ -587,6 +587,7 @@ class InitStateJob : public Job {
 struct AsgiRoute {
   RouteKind kind;
   std::string path;
+  std::string name;  ///< __name__: vLLM logs every route without methods by its endpoint's __name__
   std::shared_ptr<PluginState> st;
 };
 
@@ -610,10 +611,13 @@ PYBIND11_MODULE(_endpoint, m) {
   m.attr("TELEMETRY_PATH") = kTelemetryPath;
   m.attr("HEALTH_PATH") = kHealthPath;
 
-  py::class_<AsgiRoute>(m, "AsgiRoute",
+  // dynamic_attr: each instance carries its own __name__ (set in attach_router), which a class-level descriptor
+  // cannot give: `__name__` on a class is the type's own name.
+  py::class_<AsgiRoute>(m, "AsgiRoute", py::dynamic_attr(),
                         "A native ASGI application for one route: calling it with (scope, receive, send) returns an "
                         "Awaitable that sends http.response.start and http.response.body (application/json).")
       .def_readonly("path", &AsgiRoute::path)
+
       .def(
           "__call__",
           [](const AsgiRoute& r, py::object scope, py::object receive, py::object send) {
@@ -657,8 +661,12 @@ PYBIND11_MODULE(_endpoint, m) {
                   std::tuple{RouteKind::kHealth, kHealthPath, "activekv_health"}}) {
               // Starlette's Route treats an endpoint that is not a Python function or method as an ASGI app
               // (starlette/routing.py, Route.__init__); methods=None: every method reaches it (405 is ours).
-              app.attr("add_route")(path, py::cast(AsgiRoute{kind, path, p.st}), py::arg("methods") = py::none(),
-                                    py::arg("name") = name, py::arg("include_in_schema") = false);
+              py::object route = py::cast(AsgiRoute{kind, path, name, p.st});
+              // vLLM's serve_http logs `endpoint.__name__` of every route registered without methods
+              // (vllm/entrypoints/launchers/launcher.py:198-206): a route object without one stops the server.
+              route.attr("__name__") = name;
+              app.attr("add_route")(path, route, py::arg("methods") = py::none(), py::arg("name") = name,
+                                    py::arg("include_in_schema") = false);
             }
           },
           py::arg("app"),
