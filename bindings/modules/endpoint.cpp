@@ -12,6 +12,7 @@
 #include <activekv/telemetry.h>
 #include <activekv_py/common.h>
 
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -389,8 +390,8 @@ std::string json_str(const std::string& s) {
 std::string json_num(double v) {
   if (!std::isfinite(v)) return "null";
   char buf[32];
-  std::snprintf(buf, sizeof buf, "%.17g", v);
-  return buf;
+  const auto res = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form, as Python's repr
+  return std::string(buf, res.ptr);
 }
 
 /// vLLM's error body shape (ErrorResponse: {"error": {"message", "type", "param", "code"}}).
