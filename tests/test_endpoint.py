@@ -163,6 +163,21 @@ def test_awaitable_protocol_rejections() -> None:
         next(it)
 
 
+def test_reentry_is_refused() -> None:
+    """Python code run by the awaitable (here: send) may not re-enter it, as a running generator may not be: closing
+    it from inside would free the C++ job under its own frame."""
+    holder = {}
+
+    def send(message):
+        holder["aw"].close()
+
+    aw = holder["aw"] = routes(ready_plugin())["/v1/activekv/health"](dict(HTTP, method="POST"), None, send)
+    with pytest.raises(ValueError, match="already executing"):
+        aw.send(None)
+    with pytest.raises(RuntimeError, match="already finished"):
+        aw.send(None)
+
+
 def test_asyncio_drives_it_with_a_real_event_loop() -> None:
     messages: list = []
 

@@ -52,6 +52,7 @@ struct AwaitableObject {
   PyObject* inner;   ///< iterator of the awaitable being awaited now (strong reference), or null
   int state;         ///< 0 not started, 1 running, 2 finished
   int awaited;       ///< __await__ was called (an awaitable is awaited once)
+  int running;       ///< inside send/throw/close: Python code it runs may not re-enter it (as a running generator)
 };
 
 PyTypeObject* awaitable_type = nullptr;  // created in PYBIND11_MODULE (a heap type, PyType_FromSpec)
@@ -145,9 +146,35 @@ PySendResult run_job(AwaitableObject* self, PyObject* last, PyObject** presult) 
   }
 }
 
+/// Marks the awaitable running for a scope; refuses re-entry (the job's C++ frame is live: closing it from inside
+/// would free it under that frame), as CPython refuses a generator that is already executing.
+class Running {
+ public:
+  explicit Running(AwaitableObject* self) : self_(self), ok_(self->running == 0) {
+    if (ok_) self_->running = 1;
+    else PyErr_SetString(PyExc_ValueError, "ActiveKV awaitable already executing");
+  }
+  ~Running() {
+    if (ok_) self_->running = 0;
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  AwaitableObject* self_;
+  bool ok_;
+};
+
+PySendResult am_send_running(AwaitableObject* self, PyObject* value, PyObject** presult);
+
 /// am_send: the whole protocol in one function (PyIter_Send calls it; so do send(), __next__ and the SEND opcode).
 PySendResult aw_am_send(PyObject* o, PyObject* value, PyObject** presult) {
   auto* self = reinterpret_cast<AwaitableObject*>(o);
+  Running running(self);
+  if (!running.ok()) return PYGEN_ERROR;
+  return am_send_running(self, value, presult);
+}
+
+PySendResult am_send_running(AwaitableObject* self, PyObject* value, PyObject** presult) {
   if (self->state == 2 || self->job == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "cannot reuse an ActiveKV awaitable that already finished");
     return PYGEN_ERROR;
@@ -162,6 +189,11 @@ PySendResult aw_am_send(PyObject* o, PyObject* value, PyObject** presult) {
     return run_job(self, Py_NewRef(Py_None), presult);
   }
   // Running: suspended inside `inner`, which yielded to the event loop. Forward the value sent back in.
+  if (self->inner == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "ActiveKV awaitable is not suspended in an awaitable");
+    finish(self);
+    return PYGEN_ERROR;
+  }
   PyObject* r = nullptr;
   const PySendResult s = PyIter_Send(self->inner, value, &r);
   if (s == PYGEN_NEXT) {
@@ -245,6 +277,8 @@ void raise_thrown(PyObject* args) {
 /// `inner` when it has throw() (a coroutine, a generator); otherwise raise it here, which ends this awaitable.
 PyObject* aw_throw(PyObject* o, PyObject* args) {
   auto* self = reinterpret_cast<AwaitableObject*>(o);
+  Running running(self);
+  if (!running.ok()) return nullptr;
   if (PyTuple_GET_SIZE(args) < 1 || PyTuple_GET_SIZE(args) > 3) {
     PyErr_SetString(PyExc_TypeError, "throw() takes 1 to 3 arguments (exception[, value[, traceback]])");
     return nullptr;
@@ -291,6 +325,8 @@ PyObject* aw_throw(PyObject* o, PyObject* args) {
 
 PyObject* aw_close(PyObject* o, PyObject*) {
   auto* self = reinterpret_cast<AwaitableObject*>(o);
+  Running running(self);
+  if (!running.ok()) return nullptr;
   PyObject* inner = self->inner;
   self->inner = nullptr;
   finish(self);
@@ -348,6 +384,7 @@ py::object make_awaitable(std::unique_ptr<Job> job) {
   self->inner = nullptr;
   self->state = 0;
   self->awaited = 0;
+  self->running = 0;
   return py::reinterpret_steal<py::object>(o);
 }
 
