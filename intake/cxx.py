@@ -50,7 +50,8 @@ _WRAPPERS = frozenset({K.UNEXPOSED_EXPR, K.PAREN_EXPR, K.CXX_FUNCTIONAL_CAST_EXP
 IMPORT_C_RE = re.compile(r"^(PyImport_\w+|PyRun_\w+|Py_RunMain|Py_Main|Py_BytesMain|PyEval_EvalCode\w*)$")
 # C API entry points that call a Python callable.
 PYCALL_C_RE = re.compile(
-    r"^(_?PyObject_(Call|Vectorcall)\w*|PyEval_Call(Object|Function|Method)\w*|PyCFunction_Call|PyVectorcall_Call)$"
+    r"^(_?PyObject_(Call|Vectorcall)\w*|PyEval_Call(Object|Function|Method)\w*|PyCFunction_Call|PyVectorcall_Call"
+    r"|PyIter_Send)$"
 )
 # Types that hold a Python object (callable) or a std::function (a Python callable through pybind11/functional.h).
 CALLABLE_TYPE_RE = re.compile(

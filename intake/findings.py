@@ -44,6 +44,13 @@ RULES: dict[str, Rule] = {
             "and put the logic the callable held into C++.",
         ),
         Rule(
+            "request-path-python-call",
+            "A Python call in a module that binds vLLM's endpoint-plugin contract (attach_router, init_state): "
+            "every such call runs on an HTTP request path or at start-up, and each is reviewed.",
+            "List the call in intake/baseline.toml with why it is not on the per-step path and what it costs per "
+            "request, or do the work in C++.",
+        ),
+        Rule(
             "python-in-engine",
             "An engine/ file that includes Python.h, a pybind11/ header, torch/python.h or torch/extension.h.",
             "engine/ is C++ on ATen only: move the Python-facing code into bindings/ and include the engine "

@@ -1,6 +1,7 @@
 """The C/C++ rules: parse the program (cached, in parallel), merge the facts, and judge them.
 
-Rules: ``python-import-from-cpp``, ``per-step-python-callback``, ``python-in-engine``, ``parse-error``.
+Rules: ``python-import-from-cpp``, ``per-step-python-callback``, ``request-path-python-call``, ``python-in-engine``,
+``parse-error``.
 
 The program is every translation unit the caller names (compile_commands.json's entries under the root plus the
 native sources in scope); a project header is analysed inside the units that include it, and on its own (with the
@@ -12,6 +13,10 @@ Per-step entry points are the bindings, in any module, whose Python name is one 
 methods of vLLM's attention-backend contract that vLLM calls on every step (the model runner builds the attention
 metadata each step: ``build``, ``build_for_drafting`` for speculative decoding, ``update_block_table`` for groups
 that share a layout; the attention layer calls ``forward`` and ``do_kv_cache_update`` per layer per step).
+
+Request-path modules are the binding files that bind a method of vLLM's endpoint-plugin contract
+(``REQUEST_METHODS``): they serve HTTP requests (their ASGI awaitables run from type slots, which no binding reaches
+statically), so every Python call in them is reported and must be a reviewed baseline entry.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from intake.findings import Finding
 from intake.flags import CompileDatabase, Flags
 
 PER_STEP_METHODS = ("build", "build_for_drafting", "update_block_table", "forward", "do_kv_cache_update")
+REQUEST_METHODS = ("attach_router", "init_state")
 _STEP_BIND_METHODS = ("def", "def_static")
 _STD_FUNCTION_RE = re.compile(r"\bstd::(\w+::)?function<")
 
@@ -164,7 +170,35 @@ def judge(root: Path, program: Program) -> tuple[list[Finding], set[str]]:
             usr, {"name": name, "path": "", "line": 0, "calls": [], "sinks": [], "reads": [], "writes": []}
         )
     findings += _per_step(functions, overriders, state, bindings)
+    findings += _request_path(functions, bindings)
     return findings, analysed
+
+
+def _request_path(
+    functions: dict[str, dict[str, Any]], bindings: list[tuple[str, dict[str, Any], bool]]
+) -> list[Finding]:
+    files = {rel for rel, b, _ in bindings if b["name"] in REQUEST_METHODS}
+    findings: list[Finding] = []
+    seen: set[tuple[str, int, int]] = set()
+    for node in functions.values():
+        for sink in node["sinks"]:
+            key = (sink["path"], sink["line"], sink["col"])
+            if sink["path"] not in files or key in seen:
+                continue
+            seen.add(key)
+            findings.append(
+                Finding(
+                    "request-path-python-call",
+                    sink["path"],
+                    sink["line"],
+                    sink["col"],
+                    f"`{sink['call']}` {_how(sink)}: a Python call in a module that serves vLLM endpoint-plugin "
+                    "routes; list it in intake/baseline.toml with why it is off the per-step path and its cost per "
+                    "request, or do the work in C++",
+                    call=sink["call"],
+                )
+            )
+    return findings
 
 
 def _how(site: dict[str, Any]) -> str:

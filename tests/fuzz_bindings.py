@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 import activekv._admission as admission  # after torch: the modules' import guard needs it
 import activekv._attention as attention
 import activekv._backend as backend
+import activekv._endpoint as endpoint
 import activekv._geometry as geometry
 import activekv._kv_state as kv_state
 import activekv._telemetry as telemetry
@@ -901,6 +902,108 @@ def fuzz_telemetry(layer_counts, data) -> None:
     assert sum(s["build_calls"] for s in mine) >= sum(e.snapshot()["build_calls"] for e in engines)
     del engines, mine, e
     assert len(telemetry.engine_snapshots()) == base
+    STATS["accepted"] += 1
+
+
+_SCOPES = st.sampled_from(
+    [{"type": "http", "method": m} for m in ("GET", "HEAD", "POST", "get", "X", "GET", "HEAD")]
+    + [{"type": t} for t in ("websocket", "lifespan", "", None, 3)]
+    + [{"type": "http", "method": m} for m in (None, 1, b"GET")]
+    + [None, 1, "scope", [("type", "http")], ()])
+# What send returns: a coroutine, a generator-based coroutine that suspends k times, an object with __await__, a
+# non-awaitable, or send raising at once.
+_SENDS = st.sampled_from(["coroutine", "suspends", "await_object", "not_awaitable", "raises", "not_callable"])
+# How the awaitable is driven after its first step: values sent, exceptions thrown, close(), next().
+_DRIVES = st.lists(st.sampled_from(["send_none", "send_value", "throw_value_error", "throw_cancel", "close", "next"]),
+                   max_size=8)
+
+
+@given(scope=_SCOPES, send_kind=_SENDS, drive=_DRIVES, init=st.sampled_from(["none", "client", "no"]),
+       route=st.sampled_from(["/v1/activekv/telemetry", "/v1/activekv/health"]))
+def fuzz_endpoint(scope, send_kind, drive, init, route) -> None:
+    """The endpoint plugin's ASGI routes and their awaitables with odd scopes, odd send callables and any driving
+    sequence: never a crash; a rejected call is a TypeError/ValueError naming what was expected; a driven awaitable
+    ends in StopIteration, the exception thrown into it or one it raised about itself, and never runs again."""
+    import asyncio
+    import types as pytypes
+
+    example()
+    plugin = endpoint.EndpointPlugin()
+    added = {}
+    plugin.attach_router(SimpleNamespace(add_route=lambda path, app, **kw: added.__setitem__(path, app)))
+    if init != "no":
+        aw = plugin.init_state(None if init == "none" else SimpleNamespace(errored=False), None, None)
+        try:
+            aw.send(None)
+        except StopIteration:
+            pass
+    messages = []
+
+    @pytypes.coroutine
+    def suspends(n):
+        for _ in range(n):
+            yield "suspended"
+
+    class AwaitObject:
+        def __await__(self):
+            return suspends(1)
+
+    async def coro(m):
+        messages.append(m)
+
+    def send(m):
+        messages.append(m)
+        if send_kind == "coroutine":
+            return coro(m)
+        if send_kind == "suspends":
+            return suspends(2)
+        if send_kind == "await_object":
+            return AwaitObject()
+        if send_kind == "raises":
+            raise OSError("client went away")
+        return 7
+
+    app = added[route]
+    send_arg = "not callable" if send_kind == "not_callable" else send
+    ok, aw = call(lambda: app(scope, None, send_arg), ("scope", "send", "method", "'http'"),
+                  must_reject=not (isinstance(scope, dict) and scope.get("type") == "http"
+                                   and isinstance(scope.get("method"), str)) or send_kind == "not_callable")
+    if not ok:
+        return
+    ended = False
+    for step in ["send_none"] + drive:
+        try:
+            if step == "send_none":
+                aw.send(None)
+            elif step == "send_value":
+                aw.send(42)
+            elif step == "throw_value_error":
+                aw.throw(ValueError("thrown"))
+            elif step == "throw_cancel":
+                aw.throw(asyncio.CancelledError())
+            elif step == "close":
+                aw.close()
+                ended = True
+            else:
+                next(aw)
+        except StopIteration:
+            ended = True
+        except (ValueError, asyncio.CancelledError, OSError):
+            ended = True  # thrown in (forwarded or not), or send's own error
+        except TypeError as e:
+            msg = str(e)
+            assert "not awaitable" in msg or "non-None value" in msg, msg
+            ended = ended or "not awaitable" in msg
+        except RuntimeError as e:
+            assert "already finished" in str(e), e
+            assert ended, "a RuntimeError before the awaitable ended"
+    for m in messages:
+        assert m["type"] in ("http.response.start", "http.response.body"), m
+        if m["type"] == "http.response.start":
+            status = m["status"]
+            assert status in (200, 405, 500), status
+            assert (status == 405) == (scope["method"] not in ("GET", "HEAD")), (status, scope)
+            assert init != "no" or status in (405, 500)
     STATS["accepted"] += 1
 
 

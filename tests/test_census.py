@@ -105,3 +105,44 @@ def test_is_compiled_tells_native_from_python() -> None:
     assert census._is_compiled(backend.Builder)
     assert not census._is_compiled(lambda: None)
     assert not census._is_compiled(census.Site)
+
+
+def test_census_reports_the_endpoint_plugin_contract(ref: Path) -> None:
+    done = cli("--vllm-src", str(ref), "--format", "json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout)
+    members = {m["member"]: m for m in report["endpoint"]}
+    assert report["endpoint_summary"].startswith("4 of 4 endpoint-plugin contract members met natively")
+    # Every member of vLLM's EndpointPlugin protocol, with the interface line that declares it.
+    assert {k: (m["kind"], m["how"]) for k, m in members.items() if not k.startswith("route")} == {
+        "name": ("attribute", "native"), "required_tasks": ("attribute", "native"),
+        "attach_router": ("method", "native"), "init_state": ("async method", "async protocol ported to native"),
+    }
+    assert all(re.fullmatch(r"vllm/plugins/endpoint_plugins/interface\.py:\d+", m["cites"])
+               for k, m in members.items() if not k.startswith("route"))
+    assert members["route /v1/activekv/telemetry"]["how"] == members["route /v1/activekv/health"]["how"] == \
+        "native ASGI app"
+
+
+class PythonPlugin:
+    """A plugin written in Python, as the census must not count as native."""
+
+    name = "py"
+    required_tasks = None
+
+    def attach_router(self, app):
+        app.add_route("/v1/py", lambda scope, receive, send: None)
+
+    async def init_state(self, engine_client, state, args):
+        return None
+
+
+def test_census_flags_a_python_endpoint_plugin(ref: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project.entry-points."vllm.endpoint_plugins"]\npy = "tests.test_census:PythonPlugin"\n')
+    monkeypatch.setattr(census, "PYPROJECT", pyproject)
+    members, problems = census.endpoint_census(ref)
+    assert {m.member: m.how.split(":")[0] for m in members} == {
+        "name": "NOT native", "required_tasks": "NOT native", "attach_router": "NOT native",
+        "init_state": "NOT native", "route /v1/py": "NOT native"}
+    assert any("not a compiled callable" in p for p in problems)

@@ -104,7 +104,8 @@ def test_corpus_case(scan: dict, rel: str) -> None:
 
 def test_corpus_has_every_rule_and_accepted_files() -> None:
     rules = {rule for rel in CASES for rule, _ in expected(rel)}
-    assert rules == {"python-in-engine", "python-import-from-cpp", "per-step-python-callback", "parse-error"}
+    assert rules == {"python-in-engine", "python-import-from-cpp", "per-step-python-callback", "parse-error",
+                     "request-path-python-call"}
     accepted = [rel for rel in CASES if not expected(rel)]
     assert {"bindings/modules/gil_release.cpp", "engine/src/clean.cpp", "engine/src/transitive.cpp",
             "engine/src/cuda/clean_kernel.cu"} <= set(accepted)

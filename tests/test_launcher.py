@@ -399,3 +399,54 @@ def test_serve_passes_the_check_when_patched_or_another_backend_is_chosen(env_wi
                           timeout=120)
     assert done.returncode == 1 and "cannot run" not in done.stderr, done.stderr
     assert "no python interpreter next to this launcher" in done.stderr
+
+
+# ------------------------------------------------------------------------------- VLLM_PLUGINS for the endpoint plugin
+
+
+def fake_distribution(site: Path, name: str, groups: dict[str, list[str]]) -> None:
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    text = "".join(f"[{g}]\n" + "".join(f"{n} = {name}.mod:obj\n" for n in names) + "\n" for g, names in groups.items())
+    (info / "entry_points.txt").write_text(text)
+
+
+def plugins(env: dict[str, str], unset: bool = True) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not (unset and k == "VLLM_PLUGINS")}
+    return subprocess.run([str(LAUNCHER), "plugins"], capture_output=True, text=True, timeout=60, env={**base, **env})
+
+
+def allowlist(done: subprocess.CompletedProcess[str]) -> list[str]:
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip()
+    assert line.startswith("VLLM_PLUGINS="), line
+    return line.removeprefix("VLLM_PLUGINS=").split(" ")[0].split(",")
+
+
+def test_plugins_unset_names_every_plugin_vllm_would_load_and_ours(tmp_path: Path) -> None:
+    # vLLM with VLLM_PLUGINS unset loads every general/platform/io_processor/stat_logger plugin, no endpoint plugin,
+    # and leaves lora_hf_hub_resolver off: the allowlist keeps exactly that and adds activekv.
+    fake_distribution(tmp_path, "other", {"vllm.general_plugins": ["other_general"],
+                                          "vllm.platform_plugins": ["other_platform"],
+                                          "vllm.stat_logger_plugins": ["other_stats"],
+                                          "vllm.endpoint_plugins": ["other_routes"],
+                                          "console_scripts": ["not_a_plugin"]})
+    names = allowlist(plugins({"PYTHONPATH": str(tmp_path)}))
+    assert {"activekv", "other_general", "other_platform", "other_stats", "lora_filesystem_resolver"} <= set(names)
+    assert not {"other_routes", "not_a_plugin", "lora_hf_hub_resolver"} & set(names)
+    assert names == sorted(names) and len(names) == len(set(names))
+
+
+def test_plugins_set_by_the_user_only_gains_activekv() -> None:
+    assert allowlist(plugins({"VLLM_PLUGINS": "mine"}, unset=False)) == ["mine", "activekv"]
+    assert allowlist(plugins({"VLLM_PLUGINS": ""}, unset=False)) == ["", "activekv"]  # "" allowed nothing; still so
+    done = plugins({"VLLM_PLUGINS": "mine,activekv"}, unset=False)
+    assert done.returncode == 0 and done.stdout.strip() == "VLLM_PLUGINS=mine,activekv (unchanged: it names activekv)"
+
+
+def test_plugins_left_unset_when_a_name_would_open_other_routes(tmp_path: Path) -> None:
+    fake_distribution(tmp_path, "both", {"vllm.general_plugins": ["both"], "vllm.endpoint_plugins": ["both"]})
+    done = plugins({"PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0 and done.stdout.strip() == "VLLM_PLUGINS unset (unchanged)"
+    assert "plugin(s) both also register endpoint plugins" in done.stderr and "routes are off" in done.stderr
+    assert akv("plugins", "extra").returncode == 2

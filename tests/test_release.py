@@ -164,6 +164,22 @@ def test_wheel_metadata_requires_torch_and_records_the_vllm_version(wheel: Path)
     assert not [n for n in names if n.endswith((".py", ".pyc", ".pyi", ".pth")) or n.endswith("__init__.py")]
 
 
+def test_wheel_declares_the_endpoint_plugin_as_metadata_pointing_at_a_native_module(wheel: Path) -> None:
+    import configparser
+
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        parser = configparser.ConfigParser(delimiters=("=",))
+        parser.read_string(zf.read(entry_points).decode())
+    target = parser["vllm.endpoint_plugins"]["activekv"].strip()
+    module, _, attr = target.partition(":")
+    assert (module, attr) == ("activekv._endpoint", "EndpointPlugin")
+    # The module it names is an extension module of the wheel, not Python.
+    assert [n for n in names if re.fullmatch(r"activekv/_endpoint\.cpython-\d+-x86_64-linux-gnu\.so", n)]
+    assert parser["vllm.stat_logger_plugins"]["activekv"].strip() == "vllm.v1.metrics.activekv:ActiveKVStatLogger"
+
+
 def test_audit_passes_on_the_built_wheel(wheel: Path, ref: Path) -> None:
     done = audit(wheel, ref)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -12,8 +12,16 @@ is rooted at a native module of ActiveKV (``_backend``, ``_telemetry``, imported
 resolves, after ``import torch`` and the native modules, to a compiled function or class (no ``__code__``: not
 Python). Any other call is an exception and must be justified by the ``dispatch`` key of its line's contract.
 
-It prints ``N of M dispatch sites are direct native calls`` and then each exception with its justification. Exit
-status: 0 when every exception is justified and every native callee resolved, 1 otherwise, 2 when it cannot run.
+It prints ``N of M dispatch sites are direct native calls`` and then each exception with its justification.
+
+Then the **endpoint-plugin contract**: for each ``vllm.endpoint_plugins`` entry point ActiveKV's ``pyproject.toml``
+declares (metadata only, no Python line), every member of vLLM's ``EndpointPlugin`` protocol (read from
+``vllm/plugins/endpoint_plugins/interface.py`` of ``--vllm-src``, its line cited) and how the plugin meets it:
+``native`` (a compiled property or method), or ``async protocol ported to native`` for an ``async def`` member whose
+compiled method returns an object of a compiled type implementing ``__await__``; then each route ``attach_router``
+registers and whether its endpoint is a compiled ASGI callable returning such an awaitable. Unless ``--no-import``,
+nothing else counts as met. Exit status: 0 when every exception is justified, every native callee resolved and every
+endpoint member is met natively, 1 otherwise, 2 when it cannot run.
 ``--vllm-src`` defaults to the reference tree of ``tests/vllm_tree.py`` (``build/vllm-ref``, made when missing).
 """
 
@@ -25,6 +33,7 @@ import importlib
 import json
 import sys
 import tempfile
+import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -141,6 +150,114 @@ def census(vllm_src: Path, series: Series, contracts_path: Path, resolve: bool =
     return sites, problems
 
 
+ENDPOINT_GROUP = "vllm.endpoint_plugins"
+ENDPOINT_INTERFACE = "vllm/plugins/endpoint_plugins/interface.py"
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+
+
+@dataclass
+class Member:
+    plugin: str  # entry point name
+    member: str  # protocol member (or "route PATH")
+    kind: str  # "attribute", "method", "async method", "route"
+    cites: str  # interface.py:line of the member's declaration ("" for routes)
+    how: str  # "native", "async protocol ported to native", or "NOT native: why"
+    detail: str  # what it resolved to
+
+
+def _protocol_members(vllm_src: Path) -> list[tuple[str, str, int]]:
+    """(name, kind, line) of every member of vLLM's EndpointPlugin protocol class."""
+    tree = ast.parse((vllm_src / ENDPOINT_INTERFACE).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EndpointPlugin")
+    out = []
+    for n in cls.body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            out.append((n.target.id, "attribute", n.lineno))
+        elif isinstance(n, ast.AsyncFunctionDef):
+            out.append((n.name, "async method", n.lineno))
+        elif isinstance(n, ast.FunctionDef):
+            out.append((n.name, "method", n.lineno))
+    return out
+
+
+def _native_awaitable(obj: object) -> str:
+    """Why ``obj`` is not an awaitable of a compiled type ("" when it is)."""
+    t = type(obj)
+    if any(hasattr(obj, code) for code in ("cr_code", "gi_code", "ag_code")):
+        return f"returns a Python coroutine or generator ({t.__qualname__})"
+    if not _is_compiled(t):
+        return f"returns {t.__module__}.{t.__qualname__}, not a compiled type"
+    if not hasattr(t, "__await__") or not _is_compiled(t.__await__):
+        return f"{t.__qualname__} has no compiled __await__"
+    return ""
+
+
+def endpoint_census(vllm_src: Path, resolve: bool = True) -> tuple[list[Member], list[str]]:
+    """Every EndpointPlugin member of every endpoint entry point pyproject.toml declares, and how it is met."""
+    entries = tomllib.loads(PYPROJECT.read_text()).get("project", {}).get("entry-points", {}).get(ENDPOINT_GROUP, {})
+    members, problems = [], []
+    protocol = _protocol_members(vllm_src)
+    for name, target in sorted(entries.items()):
+        module_name, _, attr = target.partition(":")
+        factory = plugin = None
+        if resolve:
+            factory = getattr(importlib.import_module(module_name), attr, None)
+            if factory is None or not _is_compiled(factory):
+                problems.append(f"endpoint plugin {name}: {target} is not a compiled callable")
+            if callable(factory):
+                plugin = factory()  # classified member by member below, compiled or not
+        for member, kind, line in protocol:
+            cites = f"{ENDPOINT_INTERFACE}:{line}"
+            if plugin is None:
+                members.append(Member(name, member, kind, cites, "not resolved (--no-import)", target))
+                continue
+            descriptor = getattr(type(plugin), member, None)
+            how, detail = "native", ""
+            if kind == "attribute":
+                fget = getattr(descriptor, "fget", None)
+                if not isinstance(descriptor, property) or not _is_compiled(fget):
+                    how = "NOT native: not a compiled property"
+                detail = f"{type(plugin).__qualname__}.{member} = {getattr(plugin, member)!r}"
+            elif not _is_compiled(getattr(plugin, member, None)):
+                how = "NOT native: not a compiled method"
+            elif kind == "async method":
+                aw = getattr(plugin, member)(None, None, None)
+                why = _native_awaitable(aw)
+                how = f"NOT native: {why}" if why else "async protocol ported to native"
+                detail = f"returns {type(aw).__module__}.{type(aw).__qualname__} (__await__ from the am_await slot)"
+            else:
+                detail = f"{type(plugin).__module__}.{type(plugin).__qualname__}.{member}"
+            members.append(Member(name, member, kind, cites, how, detail))
+        if plugin is not None:
+            routes: list[tuple[str, object]] = []
+
+            class _App:  # records what attach_router registers (FastAPI/Starlette's add_route signature)
+                def add_route(self, path, route, methods=None, name=None, include_in_schema=True):  # noqa: ANN
+                    routes.append((path, route))
+
+            plugin.attach_router(_App())
+            for path, route in routes:
+                compiled = _is_compiled(route) and _is_compiled(type(route))  # no Python function or class
+                how = "native" if compiled else "NOT native: not a compiled ASGI callable"
+                if how == "native":
+                    aw = route({"type": "http", "method": "OPTIONS"}, None, lambda m: None)
+                    why = _native_awaitable(aw)
+                    how = f"NOT native: {why}" if why else "native ASGI app"
+                    aw.close()
+                members.append(Member(name, f"route {path}", "route", "", how,
+                                      f"{type(route).__module__}.{type(route).__qualname__}.__call__"))
+    for m in members:
+        if m.how.startswith("NOT"):
+            problems.append(f"endpoint plugin {m.plugin}: {m.member} is {m.how}")
+    return members, problems
+
+
+def endpoint_summary(members: list[Member]) -> str:
+    met = sum(not m.how.startswith(("NOT", "not")) for m in members if m.kind != "route")
+    total = sum(m.kind != "route" for m in members)
+    return f"{met} of {total} endpoint-plugin contract members met natively (0 Python lines, no contracts.toml entry)"
+
+
 def summary(sites: list[Site]) -> str:
     native = sum(s.native for s in sites)
     return f"{native} of {len(sites)} dispatch sites are direct native calls"
@@ -163,12 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         sites, problems = census(
             args.vllm_src.resolve(), series, args.contracts or args.patches / "contracts.toml", not args.no_import
         )
-    except (PatchError, OSError, RuntimeError) as e:
+        members, endpoint_problems = endpoint_census(args.vllm_src.resolve(), not args.no_import)
+        problems += endpoint_problems
+    except (PatchError, OSError, RuntimeError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.format == "json":
-        print(json.dumps({"summary": summary(sites), "sites": [asdict(s) for s in sites], "problems": problems},
-                         indent=1))
+        print(json.dumps({"summary": summary(sites), "sites": [asdict(s) for s in sites],
+                          "endpoint_summary": endpoint_summary(members),
+                          "endpoint": [asdict(m) for m in members], "problems": problems}, indent=1))
         return 1 if problems else 0
     for s in sites:
         kind = "native" if s.native else "NOT native"
@@ -180,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
         print("not direct native calls:")
         for s in exceptions:
             print(f"  {s.file}:{s.line} {s.callee}: {s.why or '(no justification)'}")
+    for m in members:
+        where = f" (cites {m.cites})" if m.cites else ""
+        print(f"endpoint {m.plugin} {m.member}\t{m.kind}\t{m.how}\t{m.detail}{where}")
+    print(endpoint_summary(members))
     for p in problems:
         print(f"problem: {p}")
     return 1 if problems else 0

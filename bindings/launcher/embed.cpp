@@ -11,7 +11,11 @@
 
 #include <cctype>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -94,6 +98,123 @@ std::string vllm_metadata_shim(const Environment& env) {
   const std::string shim = join(env.package_dir, "vllm-metadata");
   return !env.package_dir.empty() && is_dir(join(shim, record)) ? shim : std::string();
 }
+
+/// Entry-point names by group, read from every `*.dist-info/entry_points.txt` and `*.egg-info/entry_points.txt` in
+/// `dirs` (the INI format of the packaging specification: `[group]` lines, then `name = object` lines).
+void scan_entry_points(const std::vector<std::string>& dirs, std::map<std::string, std::set<std::string>>& groups) {
+  for (const auto& site : dirs) {
+    DIR* dir = ::opendir(site.c_str());
+    if (dir == nullptr) continue;
+    std::vector<std::string> files;
+    while (const dirent* entry = ::readdir(dir)) {
+      const std::string name = entry->d_name;
+      for (const std::string suffix : {".dist-info", ".egg-info"}) {
+        if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+          files.push_back(join(join(site, name), "entry_points.txt"));
+      }
+    }
+    ::closedir(dir);
+    for (const auto& file : files) {
+      std::ifstream in(file);
+      std::string line, group;
+      while (std::getline(in, line)) {
+        const auto b = line.find_first_not_of(" \t\r");
+        if (b == std::string::npos || line[b] == '#' || line[b] == ';') continue;
+        const auto e = line.find_last_not_of(" \t\r");
+        const std::string t = line.substr(b, e - b + 1);
+        if (t.front() == '[' && t.back() == ']') {
+          group = t.substr(1, t.size() - 2);
+        } else if (const auto eq = t.find('='); eq != std::string::npos && !group.empty()) {
+          const std::string name = t.substr(0, t.find_last_not_of(" \t", eq == 0 ? 0 : eq - 1) + 1);
+          if (!name.empty()) groups[group].insert(name);
+        }
+      }
+    }
+  }
+}
+
+/// The directories `import` searches for distributions, as far as the launcher can know them before Python starts:
+/// $PYTHONPATH, the environment's site-packages, and the directories their .pth files name (editable installs).
+std::vector<std::string> distribution_dirs(const Environment& env) {
+  std::vector<std::string> dirs;
+  if (const char* pp = std::getenv("PYTHONPATH"); pp != nullptr) {
+    std::string all = pp;
+    for (size_t start = 0; start <= all.size();) {
+      const size_t end = std::min(all.find(':', start), all.size());
+      if (end > start) dirs.push_back(all.substr(start, end - start));
+      start = end + 1;
+    }
+  }
+  for (const auto& site : env.site_packages) {
+    dirs.push_back(site);
+    DIR* dir = ::opendir(site.c_str());
+    if (dir == nullptr) continue;
+    std::vector<std::string> pth;
+    while (const dirent* entry = ::readdir(dir)) {
+      const std::string name = entry->d_name;
+      if (name.size() > 4 && name.compare(name.size() - 4, 4, ".pth") == 0) pth.push_back(join(site, name));
+    }
+    ::closedir(dir);
+    for (const auto& file : pth) {
+      std::ifstream in(file);
+      std::string line;
+      while (std::getline(in, line)) {
+        if (line.empty() || line[0] == '#' || line.rfind("import", 0) == 0) continue;  // site.py skips these too
+        while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+        const std::string path = line[0] == '/' ? line : join(site, line);
+        if (is_dir(path)) dirs.push_back(path);
+      }
+    }
+  }
+  return dirs;
+}
+
+}  // namespace
+
+PluginsDecision plugins_allowlist(const char* current, const Environment& env) {
+  constexpr const char* kName = "activekv";
+  PluginsDecision d;
+  if (current != nullptr) {
+    // Set by the user (even to ""): an allowlist. Add our name; everything else keeps its meaning.
+    const std::string value = current;
+    for (size_t start = 0; start <= value.size();) {
+      const size_t end = std::min(value.find(',', start), value.size());
+      if (value.compare(start, end - start, kName) == 0) return d;  // already allowed: leave it alone
+      start = end + 1;
+    }
+    d.set = true;
+    d.value = value + "," + kName;
+    return d;
+  }
+  // Unset: vLLM loads every plugin of the lenient groups (load_plugins_by_group) and no endpoint plugin
+  // (load_endpoint_plugins), and lora_hf_hub_resolver stays off (hf_hub_resolver.py: it must be named). The allowlist
+  // that keeps exactly that and adds our endpoint plugin names every lenient plugin, not the strict ones, plus ours.
+  std::map<std::string, std::set<std::string>> groups;
+  scan_entry_points(distribution_dirs(env), groups);
+  const std::set<std::string> strict_names = {"lora_hf_hub_resolver"};
+  std::set<std::string> names{kName};
+  for (const char* group : {"vllm.general_plugins", "vllm.platform_plugins", "vllm.io_processor_plugins",
+                            "vllm.stat_logger_plugins"}) {
+    for (const auto& n : groups[group])
+      if (!strict_names.count(n)) names.insert(n);
+  }
+  std::string conflicts;
+  for (const auto& n : groups["vllm.endpoint_plugins"])
+    if (n != kName && names.count(n)) conflicts += (conflicts.empty() ? "" : ", ") + n;
+  if (!conflicts.empty()) {
+    // Naming such a plugin would also turn on its HTTP routes, which vLLM keeps off unless named: leave VLLM_PLUGINS
+    // unset (vLLM's behaviour unchanged) and say that ActiveKV's routes are off.
+    d.warning = "activekv: warning: VLLM_PLUGINS left unset: plugin(s) " + conflicts +
+                " also register endpoint plugins, so allowlisting activekv's routes would turn theirs on too. "
+                "ActiveKV's /v1/activekv/* routes are off; set VLLM_PLUGINS yourself (add activekv) to choose.\n";
+    return d;
+  }
+  d.set = true;
+  for (const auto& n : names) d.value += (d.value.empty() ? "" : ",") + n;
+  return d;
+}
+
+namespace {
 
 /// Where the launcher looked for libpython and what to do about it: the second half of every libpython error.
 std::string libpython_help(const Environment& env) {
@@ -198,6 +319,15 @@ int vllm_main(const std::string& subcommand, const std::vector<const char*>& arg
   if (!backend_chosen(args)) {
     argv.push_back("--attention-backend");
     argv.push_back("ACTIVEKV");
+  }
+
+  // Endpoint plugins load only when VLLM_PLUGINS names them (vllm/plugins/__init__.py, load_endpoint_plugins):
+  // allowlist ActiveKV's (docs/async-native.md) without changing which other plugins load. vLLM reads it from
+  // os.environ, which Python builds from this process's environment at start-up; spawned processes inherit it.
+  if (subcommand == "serve") {
+    const PluginsDecision plugins = plugins_allowlist(std::getenv("VLLM_PLUGINS"), env);
+    if (plugins.set) ::setenv("VLLM_PLUGINS", plugins.value.c_str(), 1);
+    if (!plugins.warning.empty()) std::fputs(plugins.warning.c_str(), stderr);
   }
 
   PyConfig config;

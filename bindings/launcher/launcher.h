@@ -37,6 +37,20 @@ int patch_main(const std::vector<std::string>& args, const Environment& env);
 /// changes anything.
 std::string backend_preflight(const Environment& env);
 
+/// What `activekv serve` does with VLLM_PLUGINS so vLLM loads ActiveKV's endpoint plugin (endpoint plugins load only
+/// when named there) while every other plugin loads or not exactly as before.
+struct PluginsDecision {
+  bool set = false;     // set VLLM_PLUGINS to `value`
+  std::string value;
+  std::string warning;  // printed to stderr ("" when none)
+};
+
+/// `current` is VLLM_PLUGINS (null when unset). Set: `activekv` appended unless listed. Unset: every plugin name of
+/// vLLM's lenient groups (general, platform, io_processor, stat_logger) found in the environment's distributions,
+/// minus lora_hf_hub_resolver (vLLM enables it only when named), plus `activekv`; left unset with a warning when a
+/// lenient plugin's name is also another package's endpoint plugin (naming it would turn its routes on).
+PluginsDecision plugins_allowlist(const char* current, const Environment& env);
+
 /// `activekv serve|run-batch ARGS...`: vLLM's CLI in-process; argv entries are raw bytes, decoded as Python would.
 int vllm_main(const std::string& subcommand, const std::vector<const char*>& args, const Environment& env);
 

@@ -181,13 +181,15 @@ int version_main(const std::vector<std::string>& args, const Environment& env) {
 }
 
 const char* const kUsage =
-    "usage: activekv {version,patch,serve,run-batch} ...\n"
+    "usage: activekv {version,patch,serve,run-batch,plugins} ...\n"
     "\n"
     "  version [--json]                          engine version, the torch it was built against, the vLLM version\n"
     "                                            the patch series targets\n"
     "  patch apply|check|revert|status [--vllm DIR]\n"
     "                                            apply the vLLM patch series to the installed vLLM (or DIR)\n"
-    "  serve MODEL [vllm serve options]          `vllm serve` with --attention-backend ACTIVEKV unless chosen\n"
+    "  serve MODEL [vllm serve options]          `vllm serve` with --attention-backend ACTIVEKV unless chosen, and\n"
+    "                                            VLLM_PLUGINS allowing ActiveKV's endpoint plugin (see `plugins`)\n"
+    "  plugins                                   print the VLLM_PLUGINS `serve` runs vLLM with, and why\n"
     "  run-batch [vllm run-batch options]        `vllm run-batch` likewise\n";
 
 }  // namespace
@@ -208,6 +210,19 @@ int main(int argc, char** argv) {
   const std::vector<std::string> rest(argv + 2, argv + argc);
   if (command == "version") return version_main(rest, env);
   if (command == "patch") return patch_main(rest, env);
+  if (command == "plugins") {
+    if (!rest.empty()) {
+      std::fprintf(stderr, "activekv: error: `plugins` takes no arguments\n");
+      return 2;
+    }
+    const char* current = std::getenv("VLLM_PLUGINS");
+    const PluginsDecision d = plugins_allowlist(current, env);
+    if (d.set) std::printf("VLLM_PLUGINS=%s\n", d.value.c_str());
+    else if (current != nullptr) std::printf("VLLM_PLUGINS=%s (unchanged: it names activekv)\n", current);
+    else std::printf("VLLM_PLUGINS unset (unchanged)\n");
+    if (!d.warning.empty()) std::fputs(d.warning.c_str(), stderr);
+    return 0;
+  }
   std::fprintf(stderr, "%sactivekv: error: unknown command '%s'\n", kUsage, command.c_str());
   return 2;
 }

@@ -22,6 +22,7 @@
 namespace activekv {
 
 constexpr int kCounters = static_cast<int>(Counter::kCount);
+constexpr int kGauges = static_cast<int>(Gauge::kCount);
 constexpr int kHistograms = 2;  // forward_latency_us, blocks_admitted_per_forward
 constexpr int kInfoSlots = 16;
 constexpr int kInfoKey = 40;
@@ -47,6 +48,7 @@ struct TelemetryPage {
     std::atomic<int64_t> counts[Histogram::kBuckets];
     std::atomic<uint64_t> sum_bits;  ///< a double, updated by compare-exchange
   } hist[kHistograms];
+  std::atomic<int64_t> gauges[kGauges];
   std::atomic<int32_t> info_count;
   struct Info {
     char key[kInfoKey];
@@ -61,7 +63,8 @@ namespace {
 constexpr uint64_t kLayout = static_cast<uint64_t>(kCounters) | (static_cast<uint64_t>(kHistograms) << 16) |
                              (static_cast<uint64_t>(Histogram::kBuckets) << 24) |
                              (static_cast<uint64_t>(kInfoSlots) << 40) | (static_cast<uint64_t>(kAncestors) << 48) |
-                             (uint64_t{2} << 56);  // layout version
+                             (static_cast<uint64_t>(kGauges) << 52) |
+                             (uint64_t{3} << 56);  // layout version
 
 struct Registry {
   std::mutex mu;
@@ -163,6 +166,8 @@ TelemetrySnapshot read_page(const TelemetryPage& p) {
     h.sum = load_double(p.hist[k].sum_bits);
     s.histograms.emplace_back(kHistogramNames[k], h);
   }
+  for (int i = 0; i < kGauges; ++i)
+    s.gauges.emplace_back(gauge_name(static_cast<Gauge>(i)), p.gauges[i].load(std::memory_order_relaxed));
   const int n = std::min(p.info_count.load(std::memory_order_acquire), kInfoSlots);
   for (int i = 0; i < n; ++i) {
     const char* key = p.info[i].key;
@@ -261,6 +266,18 @@ const char* counter_name(Counter c) {
   return "unknown";
 }
 
+const char* gauge_name(Gauge g) {
+  switch (g) {
+    case Gauge::kMode: return "mode";
+    case Gauge::kPoolResidentBlocks: return "pool_resident_blocks";
+    case Gauge::kPoolCapacityBlocks: return "pool_capacity_blocks";
+    case Gauge::kLastStepUnixUs: return "last_step_unix_us";
+    case Gauge::kLastForwardUs: return "last_forward_us";
+    case Gauge::kCount: break;
+  }
+  return "unknown";
+}
+
 double Histogram::upper_bound(int i) {
   return i >= kBuckets - 1 ? std::numeric_limits<double>::infinity() : std::ldexp(1.0, i);
 }
@@ -347,6 +364,14 @@ void Telemetry::observe_forward_latency_us(double us) { observe(page_->hist[0], 
 
 void Telemetry::observe_blocks_admitted(int64_t blocks) { observe(page_->hist[1], static_cast<double>(blocks)); }
 
+void Telemetry::set_gauge(Gauge g, int64_t value) {
+  page_->gauges[static_cast<int>(g)].store(value, std::memory_order_relaxed);
+}
+
+void Telemetry::add_gauge(Gauge g, int64_t delta) {
+  page_->gauges[static_cast<int>(g)].fetch_add(delta, std::memory_order_relaxed);
+}
+
 void Telemetry::set_info(const std::string& key, int64_t value) {
   std::lock_guard<std::mutex> lock(mu_);
   info_[key] = value;
@@ -426,6 +451,18 @@ TelemetrySnapshot merge_snapshots(const std::vector<TelemetrySnapshot>& all) {
       }
     }
     total.info = std::move(merged);
+    // gauges: mode kept where every engine agrees (else -1), pool gauges summed, the last forward of the latest step.
+    if (s.gauges.size() == total.gauges.size() && s.gauges.size() == static_cast<size_t>(kGauges)) {
+      auto& g = total.gauges;
+      const auto at = [](Gauge k) { return static_cast<size_t>(k); };
+      if (g[at(Gauge::kMode)].second != s.gauges[at(Gauge::kMode)].second) g[at(Gauge::kMode)].second = -1;
+      g[at(Gauge::kPoolResidentBlocks)].second += s.gauges[at(Gauge::kPoolResidentBlocks)].second;
+      g[at(Gauge::kPoolCapacityBlocks)].second += s.gauges[at(Gauge::kPoolCapacityBlocks)].second;
+      if (s.gauges[at(Gauge::kLastStepUnixUs)].second > g[at(Gauge::kLastStepUnixUs)].second) {
+        g[at(Gauge::kLastStepUnixUs)].second = s.gauges[at(Gauge::kLastStepUnixUs)].second;
+        g[at(Gauge::kLastForwardUs)].second = s.gauges[at(Gauge::kLastForwardUs)].second;
+      }
+    }
   }
   return total;
 }
@@ -493,7 +530,7 @@ std::vector<PublishedTelemetry> snapshot_process_tree() {
   return out;
 }
 
-std::string snapshot_to_json(const TelemetrySnapshot& s) {
+std::string snapshot_to_json(const TelemetrySnapshot& s, bool with_gauges) {
   std::ostringstream o;
   o << "{\"counters\": {";
   for (size_t i = 0; i < s.counters.size(); ++i)
@@ -510,7 +547,14 @@ std::string snapshot_to_json(const TelemetrySnapshot& s) {
   o << "}, \"info\": {";
   for (size_t i = 0; i < s.info.size(); ++i)
     o << (i ? ", " : "") << json_string(s.info[i].first) << ": " << s.info[i].second;
-  o << "}}";
+  o << "}";
+  if (with_gauges) {
+    o << ", \"gauges\": {";
+    for (size_t i = 0; i < s.gauges.size(); ++i)
+      o << (i ? ", " : "") << json_string(s.gauges[i].first) << ": " << s.gauges[i].second;
+    o << "}";
+  }
+  o << "}";
   return o.str();
 }
 

@@ -49,6 +49,20 @@ enum class Counter : int {
 /// Snapshot key of a counter.
 const char* counter_name(Counter c);
 
+/// Every gauge: the engine's state now (not a count of events), published in the same page as the counters, so the
+/// API server's HTTP routes (bindings/modules/endpoint.cpp) read them from another process.
+enum class Gauge : int {
+  kMode = 0,            ///< 0 exact, 1 compressed (set once at construction)
+  kPoolResidentBlocks,  ///< active-pool slots holding a block, summed over layers, after the last forward
+  kPoolCapacityBlocks,  ///< active-pool slots, summed over layers (pool_blocks x num_layers)
+  kLastStepUnixUs,      ///< wall clock (system_clock, microseconds since the Unix epoch) at the end of the last forward
+  kLastForwardUs,       ///< duration of the last forward (one layer, one step), microseconds
+  kCount
+};
+
+/// Snapshot key of a gauge.
+const char* gauge_name(Gauge g);
+
 /// A histogram with fixed power-of-two bucket upper bounds 1, 2, 4, ... 2^(kBuckets-2) and +inf.
 struct Histogram {
   static constexpr int kBuckets = 24;
@@ -67,6 +81,8 @@ struct TelemetrySnapshot {
   std::vector<std::pair<std::string, int64_t>> counters;
   std::vector<std::pair<std::string, Histogram>> histograms;
   std::vector<std::pair<std::string, int64_t>> info;  ///< static facts of the engine (num_layers, pool_blocks, ...)
+  std::vector<std::pair<std::string, int64_t>> gauges;  ///< Gauge order; merged: mode kept where all agree (else
+                                                         ///< -1), pool gauges summed, last step/forward of the latest
 };
 
 /// Telemetry of one engine. Thread-safe: counters are atomic, histograms guarded by a mutex.
@@ -83,6 +99,8 @@ class Telemetry {
   int64_t get(Counter c) const;
   void observe_forward_latency_us(double us);
   void observe_blocks_admitted(int64_t blocks);
+  void set_gauge(Gauge g, int64_t value);
+  void add_gauge(Gauge g, int64_t delta);
   /// Record a static fact of the engine, reported in every snapshot's info (e.g. num_layers).
   void set_info(const std::string& key, int64_t value);
   TelemetrySnapshot snapshot() const;
@@ -140,8 +158,9 @@ std::vector<PublishedTelemetry> snapshot_process_tree();
 void collect_ended_descendants_at_exit();
 
 /// The snapshot as one JSON object: {"counters": {...}, "histograms": {name: {"le": [...], "counts": [...],
-/// "count": n, "sum": s}}, "info": {...}} (the last `le` is the string "+Inf").
-std::string snapshot_to_json(const TelemetrySnapshot& s);
+/// "count": n, "sum": s}}, "info": {...}} (the last `le` is the string "+Inf"), and "gauges": {...} after "info"
+/// when `with_gauges` (the HTTP route's payload; the telemetry_json file keeps the three keys).
+std::string snapshot_to_json(const TelemetrySnapshot& s, bool with_gauges = false);
 
 /// Write merge_snapshots(...) of every engine of this process whose json path is `path` (live ones and those
 /// already destroyed) to `path` (through a temporary file and a rename). @throws c10::Error when it cannot be written.
