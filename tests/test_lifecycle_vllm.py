@@ -1,15 +1,19 @@
 """Request lifecycle inside vLLM 0.32.0 with ActiveKV (issue 7, item 4): mixed lengths, aborts, preemption, prefix hits.
 
 An in-process ActiveKV engine (a pool of 8 blocks x 16 tokens per layer; exact mode, then compressed mode) runs with prefix caching on and a
-KV cache of only NUM_BLOCKS blocks (vLLM's `num_gpu_blocks_override`), driven request by request through
-`LLMEngine.add_request` / `step` / `abort_request`, in four phases:
+KV cache of only NUM_BLOCKS blocks (vLLM's `num_gpu_blocks_override`) and a step budget of MAX_NUM_BATCHED_TOKENS
+tokens (longer prompts are prefilled in chunks), driven request by request through `LLMEngine.add_request` / `step` /
+`abort_request`, in five phases:
 
 1. lengths: prompts of 5, 37, 130 and 300 tokens (the last two longer than the pool);
 2. aborts: one request aborted before any step, one after its prefill step, one mid-decode; two run to the end;
 3. preemption: four requests that together need more blocks than the KV cache holds, so vLLM preempts (checked on
    vLLM's own `vllm:num_preemptions` counter, never assumed);
 4. prefix hits: a 200-token prefix with one suffix, then the same prefix with another suffix and the first prompt
-   again (checked on vLLM's `vllm:prefix_cache_hits` counter and each output's `num_cached_tokens`).
+   again (checked on vLLM's `vllm:prefix_cache_hits` counter and each output's `num_cached_tokens`);
+5. chunked prefill under preemption: two prompts longer than the step budget, prefilled chunk by chunk (rows whose
+   prefill stops short of the prompt are counted), which together outgrow the KV cache while decoding, so vLLM
+   preempts one (counted on `vllm:num_preemptions`) and recomputes it, in chunks again.
 
 After every step (a metadata build wrapped as `tools.capture` does records the step's block table) and at the end of
 each phase, for both layers:
@@ -27,10 +31,15 @@ each phase, for both layers:
   mode selects by; every KV update maintains them) bound the keys of the block's filled tokens in the host tier.
 A control test runs the same checks on a native Engine driven directly, with a stale resident block, a host write the
 pool missed and a key outside its block's bounds, and requires each to be reported.
+- replay: every layer forward of every step (`tools.capture` records query, output, plan, selections and the blocks
+  the rows reference) runs again on a fresh native Engine of the same options, whose pool, LRU order and key
+  metadata start empty; its output and, for compressed rows, its selection must be equal bit for bit
+  (`torch.equal`): the oracle `tests/test_e2e_compressed.py` uses, here after aborts, preemption and recomputation,
+  prefix-cache hits and chunked prefill (`tools/capture.py` says why the replay is exact under each).
 Finally, in exact mode, every request that finished equals stock vLLM (CPU_ATTN, default block size, ample KV cache,
-no prefix caching) token for token, greedy float32; in compressed mode (approximate by design) every request not
-aborted finishes with all its tokens and decode rows ran compressed. The LRU bound applies to exact mode only (a
-compressed decode row admits only its selection).
+no prefix caching, default step budget) token for token, greedy float32; in compressed mode (approximate by design)
+every request not aborted finishes with all its tokens and decode rows ran compressed; in both modes the replay
+above holds. The LRU bound applies to exact mode only (a compressed decode row admits only its selection).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from typing import Any
 import pytest
 import torch
 
-from tools.capture import capture
+from tools.capture import Recorder, capture, replay
 from tools.make_tiny_model import SPEC
 from tools.vllm_run import ACTIVEKV, CPU_ATTN, EngineConfig, VllmEngine, activekv_status, make_prompts
 
@@ -57,8 +66,10 @@ COMPRESSED = {"mode": "compressed", "pool_blocks": POOL_BLOCKS, "tile_blocks": 4
 MODES = {"exact": EXACT, "compressed": COMPRESSED}
 NUM_BLOCKS = 48  # 768 tokens of KV cache per layer
 MAX_MODEL_LEN = 512
+MAX_NUM_BATCHED_TOKENS = 256  # vLLM's step budget: longer prompts (and batches) are prefilled in chunks
 NUM_KV_HEADS = SPEC["num_key_value_heads"]
 HEAD_SIZE = SPEC["head_dim"]
+NUM_LAYERS = SPEC["num_hidden_layers"]
 VOCAB = SPEC["vocab_size"]
 
 LENGTHS = (5, 37, 130, 300)
@@ -71,6 +82,10 @@ PREEMPT_LENGTHS = (150, 150, 150, 150)
 PREEMPT_TOKENS = 100  # 4 x (150 + 100) tokens = 64 blocks > NUM_BLOCKS
 PREFIX_LEN = 200
 PREFIX_TOKENS = 12
+# each prompt > MAX_NUM_BATCHED_TOKENS; prompts 22 + 22 blocks <= NUM_BLOCKS (both admitted), finished 25 + 25 blocks
+# > NUM_BLOCKS: vLLM preempts one mid-decode and prefills its recomputation (prompt + tokens so far) in chunks again
+CHUNKED_LENGTHS = (350, 340)
+CHUNKED_TOKENS = 48
 
 
 @dataclass
@@ -84,6 +99,7 @@ class Phase:
     preemptions: int = 0
     prefix_hits: int = 0
     steps: int = 0
+    partial_prefill_rows: int = 0  # rows whose prefill chunk ended before the phase's shortest prompt
 
 
 @dataclass
@@ -94,6 +110,8 @@ class Observed:
     builds: int = 0  # metadata builds (one per step that ran a forward)
     bounds_checked: int = 0  # (layer, block) key min/max bound checks
     compressed_rows: int = 0  # the engine's telemetry: decode rows that attended a selection (all layers)
+    replayed: int = 0  # layer forwards replayed on a fresh native engine
+    replayed_selections: int = 0  # compressed rows among them (selection compared)
     lru_steps_checked: int = 0
     freed_resident_seen: int = 0  # resident blocks that vLLM held for no request at a check
     freed_then_reheld: int = 0  # resident blocks vLLM freed, then held again while resident: handed to a new request
@@ -173,8 +191,32 @@ def check_key_bounds(h: Harness, obs: Observed, where: str, filled: dict[int, in
             obs.bounds_checked += 1
 
 
+def check_replay(rec: Recorder, obs: Observed, where: str, options: dict[str, Any]) -> None:
+    """Replay each layer forward recorded since the last call on a fresh native Engine (same options); outputs and
+    selections must be equal bit for bit. Drops the recorded calls (a call holds copies of its rows' blocks)."""
+    import activekv._backend as backend
+
+    extra = {k: v for k, v in options.items() if k not in ("pool_blocks", "tile_blocks")}
+    for call in rec.calls:
+        fresh = backend.Engine(1, SPEC["num_attention_heads"], NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32,
+                               options["pool_blocks"], options["tile_blocks"], **extra)
+        got = replay(call, fresh)
+        if not torch.equal(got.output, call.output):
+            worst = float((got.output - call.output).abs().max())
+            obs.problems.append(f"{where} layer {call.layer}: output differs from a fresh engine's replay (max abs "
+                                f"{worst:.3g})")
+        if sorted(got.selection) != sorted(call.selection) or not all(
+            torch.equal(got.selection[r], call.selection[r]) for r in call.selection
+        ):
+            obs.problems.append(f"{where} layer {call.layer}: selection differs from a fresh engine's replay")
+        obs.replayed += 1
+        obs.replayed_selections += len(call.selection)
+    rec.calls.clear()
+
+
 def run_phase(h: Harness, vllm: VllmEngine, obs: Observed, phase: Phase, rec_blocks: list[dict[int, int]],
-              abort_after: dict[str, int] | None = None, waves: list[list[str]] | None = None) -> None:
+              rec: Recorder, options: dict[str, Any], abort_after: dict[str, int] | None = None,
+              waves: list[list[str]] | None = None) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -183,6 +225,7 @@ def run_phase(h: Harness, vllm: VllmEngine, obs: Observed, phase: Phase, rec_blo
     preempt0, _ = vllm._metric("vllm:num_preemptions")
     hits0, _ = vllm._metric("vllm:prefix_cache_hits")
     freed: dict[int, set[int]] = {}
+    shortest = min(len(p) for p in phase.prompts.values())
     for wave in waves or [list(phase.prompts)]:
         for rid in wave:
             h.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=phase.prompts[rid]), params)
@@ -204,6 +247,11 @@ def run_phase(h: Harness, vllm: VllmEngine, obs: Observed, phase: Phase, rec_blo
             step_blocks = set(filled) if len(rec_blocks) > built else None
             freed = check_pool(h, obs, f"{phase.name} step {steps}", step_blocks, freed)
             check_key_bounds(h, obs, f"{phase.name} step {steps}", filled)
+            for call in (c for c in rec.calls if c.layer == 0):  # the step's rows, counted once (layer 0)
+                q_lens = (call.query_start_loc[1:] - call.query_start_loc[:-1]).tolist()
+                phase.partial_prefill_rows += sum(q > 1 and int(n) < shortest
+                                                  for q, n in zip(q_lens, call.seq_lens.tolist()))
+            check_replay(rec, obs, f"{phase.name} step {steps}", options)
         phase.steps += steps
     check_pool(h, obs, f"{phase.name} end", None, freed)
     preempt1, _ = vllm._metric("vllm:num_preemptions")
@@ -224,6 +272,8 @@ def make_phases() -> list[tuple[Phase, dict[str, int], list[list[str]] | None]]:
         (Phase("preemption", {f"pre{i}": p for i, p in enumerate(preempt)}, PREEMPT_TOKENS), {}, None),
         (Phase("prefix", {"pfx_a": prefix + s1, "pfx_b": prefix + s2, "pfx_a2": prefix + s1}, PREFIX_TOKENS), {},
          [["pfx_a"], ["pfx_b", "pfx_a2"]]),
+        (Phase("chunked", {f"chk{i}": p for i, p in enumerate(make_prompts(CHUNKED_LENGTHS, VOCAB, seed=15))},
+               CHUNKED_TOKENS), {}, None),
     ]
 
 
@@ -232,7 +282,7 @@ def _run_activekv(model_dir: Path, options: dict[str, Any]) -> tuple[Observed, l
     phases = make_phases()
     rec_blocks: list[dict[int, int]] = []  # per step: {block id: tokens of it the step's rows hold}
 
-    def keep(step: int, plan: Any) -> bool:  # records each step's blocks and their filled tokens, no layer forward
+    def keep(step: int, plan: Any) -> bool:  # records each step's blocks and their filled tokens; layer forwards too
         bt, lens = plan.block_table, plan.seq_lens
         filled: dict[int, int] = {}
         for r in range(int(plan.num_reqs)):
@@ -240,15 +290,16 @@ def _run_activekv(model_dir: Path, options: dict[str, Any]) -> tuple[Observed, l
             for i, b in enumerate(bt[r, : -(-n // BLOCK_SIZE)].tolist()):
                 filled[int(b)] = max(filled.get(int(b), 0), min(BLOCK_SIZE, n - i * BLOCK_SIZE))
         rec_blocks.append(filled)
-        return False
+        return True
 
     config = EngineConfig(str(model_dir), backend=ACTIVEKV, activekv=options, block_size=BLOCK_SIZE,
-                          max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, num_gpu_blocks=NUM_BLOCKS)
+                          max_model_len=MAX_MODEL_LEN, enable_prefix_caching=True, num_gpu_blocks=NUM_BLOCKS,
+                          max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
     with VllmEngine(config) as vllm, capture(keep) as rec:
         h = Harness(vllm, _engine_of(vllm))
         assert h.engine.mode == options["mode"]
         for phase, abort_after, waves in phases:
-            run_phase(h, vllm, obs, phase, rec_blocks, abort_after, waves)
+            run_phase(h, vllm, obs, phase, rec_blocks, rec, options, abort_after, waves)
         obs.builds = len(rec_blocks)
         obs.compressed_rows = int(h.engine.snapshot()["compressed_rows"])
         assert len(rec.engines) == 1 and rec.engines[0] is h.engine  # every step was built by the engine checked
@@ -289,6 +340,16 @@ def test_every_pool_slot_is_free_or_coherent_after_every_step(lifecycle: Any, mo
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+def test_every_layer_forward_equals_a_fresh_engines_replay(lifecycle: Any, mode: str) -> None:
+    obs = lifecycle[0][mode]
+    assert not [p for p in obs.problems if "replay" in p], "\n".join(obs.problems[:20])
+    assert obs.replayed == NUM_LAYERS * obs.builds  # every layer forward of every step was replayed
+    # compressed: selections compared on every decode row that ran compressed (the telemetry counts all layers)
+    assert obs.replayed_selections == (obs.compressed_rows if mode == "compressed" else 0)
+    assert mode == "exact" or obs.replayed_selections > 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_freed_blocks_stayed_coherent_and_were_reused(lifecycle: Any, mode: str) -> None:
     obs = lifecycle[0][mode]
     assert obs.freed_resident_seen > 0  # blocks vLLM freed were resident at some check
@@ -305,10 +366,12 @@ def test_vllm_preempted_aborted_and_hit_the_prefix_cache(
         print(f"\n[{mode}]", end="")
         for p in phases.values():
             print(f"\n{p.name}: steps {p.steps}, finished {len(p.outputs)}, aborted {len(p.aborted)}, preemptions "
-                  f"{p.preemptions}, prefix-cache hit tokens {p.prefix_hits}, cached tokens {p.cached_tokens}")
+                  f"{p.preemptions}, prefix-cache hit tokens {p.prefix_hits}, partial prefill rows "
+                  f"{p.partial_prefill_rows}, cached tokens {p.cached_tokens}")
         print(f"steps checked {obs.steps_checked} (LRU bound applied on {obs.lru_steps_checked}), freed blocks seen "
               f"resident {obs.freed_resident_seen}, freed then reused while resident {obs.freed_then_reheld}, key "
-              f"bound checks {obs.bounds_checked}, compressed rows {obs.compressed_rows}")
+              f"bound checks {obs.bounds_checked}, compressed rows {obs.compressed_rows}, layer forwards replayed "
+              f"{obs.replayed} ({obs.replayed_selections} selections)")
     assert phases["preemption"].preemptions > 0
     assert sorted(phases["aborts"].aborted) == sorted(f"ab{i}" for i in ABORT_AFTER)
     assert not set(phases["aborts"].outputs) & set(phases["aborts"].aborted)
@@ -316,6 +379,8 @@ def test_vllm_preempted_aborted_and_hit_the_prefix_cache(
     full_blocks = PREFIX_LEN // BLOCK_SIZE * BLOCK_SIZE
     assert phases["prefix"].cached_tokens["pfx_b"] >= full_blocks
     assert phases["prefix"].cached_tokens["pfx_a2"] >= full_blocks
+    assert phases["chunked"].preemptions > 0  # chunked prefill under preemption
+    assert phases["chunked"].partial_prefill_rows >= len(CHUNKED_LENGTHS)  # every prompt was prefilled in chunks
 
 
 def test_finished_requests_equal_stock_vllm(lifecycle: Any) -> None:

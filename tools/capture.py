@@ -12,9 +12,13 @@ the same outputs and selections as the engine that served the run:
 - The cache is rebuilt from the recorded blocks (bit-identical bytes, stale tails of last blocks included), then each
   row's tokens 0 .. seq_len - 1 are written again with `update_kv` (same values, so the cache does not change). That
   write is what rebuilds each block's key minimum / maximum: in the run, a block's metadata is reset when its offset 0
-  is written (every block vLLM hands a request is filled from offset 0; prefix caching is off in tools.vllm_run) and
-  then folded with amin/amax over exactly the tokens written to it since, which are the row's tokens in that block.
-  amin/amax are exact, so the order and grouping of the writes does not matter.
+  is written (every block vLLM hands a request is filled from offset 0) and then folded with amin/amax over exactly
+  the tokens written to it since, which are the row's tokens in that block. amin/amax are exact, so the order and
+  grouping of the writes does not matter: a prefill split into chunks (chunked prefill) folds the same tokens. The
+  same holds under vLLM's lifecycle events (tests/test_lifecycle_vllm.py replays every step of them): a preempted
+  request's recomputation writes its blocks from offset 0 again; an aborted or finished request's block handed to
+  another request is reset by that request's first write; a prefix-cache hit re-uses a full block whose metadata
+  was folded over exactly its block_size tokens when it was written (vLLM caches full blocks only).
 - Attention reads pool copies of host blocks that write-through keeps coherent, so which pool slot a block sits in,
   which blocks were resident, and the LRU order change the telemetry but not the values attended; the tile order is
   the row's block order (exact) or the selection order (compressed), both functions of the plan and the metadata.

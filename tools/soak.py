@@ -2,7 +2,7 @@
 
     python -m tools.soak MODEL_DIR [--requests 1000] [--batch 8] [--every 100] [--kv-cache-gib 1]
                                    [--activekv '{"pool_blocks": 16, "tile_blocks": 4}'] [--backend CPU_ATTN]
-                                   [--json OUT]
+                                   [--trim] [--tracemalloc] [--json OUT]
 
 One vLLM engine (tools/vllm_run.py: in-process engine core, float32, eager, token-id prompts, KV cache sized
 explicitly by --kv-cache-gib), ACTIVEKV backend (--backend CPU_ATTN: the same load on stock vLLM, the control for
@@ -11,11 +11,25 @@ the memory figures; its telemetry columns stay 0). Requests go in batches of --b
 of the load. Printed: resident set size (VmRSS of this process, which holds the engine core) at start (after the
 engine is up), after every --every requests and at the end, with the native telemetry totals at each point. Not a
 timed test: a tool whose figures go into docs/reliability.md.
+
+Where the memory goes (every row, from the same process):
+- glibc's allocator: `mallinfo2()` summed over all arenas: `heap_in_use_mib` (uordblks + hblkhd: bytes malloc has
+  handed out and not had back, mmapped chunks included) and `heap_free_mib` (fordblks: freed bytes glibc still holds
+  in its arenas, which RSS counts where the pages were touched). RSS growing while heap_in_use stays flat is
+  allocator retention/fragmentation, not a leak.
+- `--trim`: after the reading, `malloc_trim(0)` hands free arena pages back to the kernel and the RSS is read again
+  (`rss_trimmed_mib`); what RSS keeps after a trim is memory something still holds.
+- `--tracemalloc`: `traced_mib`, the Python objects' memory (tracemalloc's current size; Python allocations only,
+  not torch's or the engine's), and at the end the 15 source lines whose traced memory grew most since the first row.
+- ActiveKV's own allocations: `pool_mib` (every layer's pool as the telemetry's info reports it: pool_blocks x
+  block bytes), fixed at start-up, and the native counters.
+`MALLOC_ARENA_MAX=N` in the environment caps glibc's arenas (one per thread by default, up to 8 x cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import random
 import sys
@@ -35,6 +49,25 @@ def rss_mib() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (malloc.h, glibc >= 2.33): every field a size_t."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+_LIBC.mallinfo2.restype = _MallInfo2
+_LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+
+
+def heap_mib() -> tuple[float, float]:
+    """(in use, free) MiB of glibc's malloc over all arenas (mallinfo2: uordblks + hblkhd, fordblks)."""
+    info = _LIBC.mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**20, info.fordblks / 2**20
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -47,8 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=16, help="vLLM's KV block size (CPU_ATTN needs a multiple of 32)")
     ap.add_argument("--backend", default=ACTIVEKV, choices=[ACTIVEKV, CPU_ATTN])
+    ap.add_argument("--trim", action="store_true", help="malloc_trim(0) after each reading; RSS read again")
+    ap.add_argument("--tracemalloc", action="store_true", help="trace Python allocations (slower)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.tracemalloc:
+        import tracemalloc
+
+        tracemalloc.start(1)
+    first_trace = None
 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -61,10 +101,24 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
 
     def record(done: int, started: float) -> None:
+        nonlocal first_trace
         snap = read_telemetry()
         tel = snap[0] if snap else {}
+        in_use, free = heap_mib()
         row = {"requests": done, "rss_mib": round(rss_mib(), 1), "seconds": round(time.monotonic() - started, 1),
+               "heap_in_use_mib": round(in_use, 1), "heap_free_mib": round(free, 1),
+               "pool_mib": round(tel.get("num_layers", 0) * tel.get("pool_blocks", 0) * tel.get("bytes_per_block", 0)
+                                 / 2**20, 1),
                **{k: tel.get(k, 0) for k in TOTALS}}
+        if args.tracemalloc:
+            import tracemalloc
+
+            row["traced_mib"] = round(tracemalloc.get_traced_memory()[0] / 2**20, 1)
+            if first_trace is None:
+                first_trace = tracemalloc.take_snapshot()
+        if args.trim:
+            _LIBC.malloc_trim(0)
+            row["rss_trimmed_mib"] = round(rss_mib(), 1)
         rows.append(row)
         print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
@@ -86,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             done += n
             if done // args.every > before // args.every or done == args.requests:
                 record(done, started)
+    if args.tracemalloc and first_trace is not None:
+        import tracemalloc
+
+        for stat in tracemalloc.take_snapshot().compare_to(first_trace, "lineno")[:15]:
+            print(f"traced growth: {stat}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0
