@@ -7,8 +7,9 @@ default RoPE has no scaling: the weights do not depend on it). Per backend, one 
 (`tools/vllm_run.py`, greedy, eager, prefix caching off, `max_num_batched_tokens` = batch x context so each batch
 prefills in one step): `--batch` seeded prompts of `--context` tokens, generated once with 1 new token (prefill
 only) and once with `--new-tokens` + 1 (prefill + decode), `--repeats` times, alternating. Decode tokens/s =
-batch x new tokens / (median time with decode - median time without). ActiveKV runs with its default options
-(exact mode, default pool and tile) at vLLM block size 16; CPU_ATTN at its default block size (128). The engines run
+batch x new tokens / (median time with decode - median time without). ActiveKV runs at vLLM block size 16 in exact mode twice:
+with its default options (pool 256 blocks, tile 16: a batch of long contexts streams through the pool every step)
+and with a pool that holds the batch's contexts; CPU_ATTN at its default block size (128). The engines run
 one after the other; the table says how many forward steps vLLM counted and, for ActiveKV, how many native forward
 calls its telemetry counted (the proof the native path ran).
 """
@@ -48,11 +49,12 @@ def e2e_model(context: int, new_tokens: int) -> Path:
     return out
 
 
-def measure(model: Path, backend: str, args: argparse.Namespace) -> dict:
+def measure(model: Path, backend: str, args: argparse.Namespace, options: dict | None = None,
+            label: str | None = None) -> dict:
     from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine, make_prompts
 
     config = EngineConfig(
-        str(model), backend=backend, activekv={} if backend == ACTIVEKV else None,
+        str(model), backend=backend, activekv=(options or {}) if backend == ACTIVEKV else None,
         block_size=16 if backend == ACTIVEKV else None, max_model_len=args.context + args.new_tokens + 16,
         max_num_seqs=args.batch, kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.batch * args.context)
     prompts = make_prompts([args.context] * args.batch, vocab_size=512, seed=args.seed)
@@ -71,7 +73,7 @@ def measure(model: Path, backend: str, args: argparse.Namespace) -> dict:
             steps = gen.steps
             native = gen.telemetry["forward_calls"] if gen.telemetry else 0
     decode_s = statistics.median(full) - statistics.median(prefill)
-    return {"backend": backend, "prefill_s": statistics.median(prefill), "full_s": statistics.median(full),
+    return {"backend": label or backend, "prefill_s": statistics.median(prefill), "full_s": statistics.median(full),
             "decode_s": decode_s, "tokens_per_s": args.batch * args.new_tokens / decode_s, "steps": steps,
             "native_forwards": native}
 
@@ -90,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model = e2e_model(args.context, args.new_tokens)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    rows = [measure(model, backend, args) for backend in (CPU_ATTN, ACTIVEKV)]
+    whole_batch = args.batch * -(-(args.context + args.new_tokens + 16) // 16)  # blocks of 16 the batch can hold
+    rows = [measure(model, CPU_ATTN, args),
+            measure(model, ACTIVEKV, args, {}, "ACTIVEKV exact, default pool (256 blocks)"),
+            measure(model, ACTIVEKV, args, {"pool_blocks": whole_batch},
+                    f"ACTIVEKV exact, pool {whole_batch} blocks (the batch's contexts)")]
     base = rows[0]["tokens_per_s"]
     print(f"command: `python -m tools.bench_e2e {' '.join(argv if argv is not None else sys.argv[1:])}`")
     print(f"model: {model} (2 layers, 4 query heads, 2 KV heads, head size 32, float32); context {args.context}, "
