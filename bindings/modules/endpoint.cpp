@@ -407,23 +407,6 @@ struct Response {
   std::vector<std::pair<std::string, std::string>> extra_headers;
 };
 
-std::string json_str(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (static_cast<unsigned char>(c) < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof buf, "\\u%04x", c);
-      out += buf;
-    } else {
-      out += c;
-    }
-  }
-  return out + "\"";
-}
-
 std::string json_num(double v) {
   if (!std::isfinite(v)) return "null";
   char buf[32];
@@ -433,7 +416,8 @@ std::string json_num(double v) {
 
 /// vLLM's error body shape (ErrorResponse: {"error": {"message", "type", "param", "code"}}).
 Response error_response(int status, const std::string& type, const std::string& message) {
-  return {status, "{\"error\": {\"message\": " + json_str(message) + ", \"type\": " + json_str(type) +
+  using activekv::json_string;
+  return {status, "{\"error\": {\"message\": " + json_string(message) + ", \"type\": " + json_string(type) +
                       ", \"param\": null, \"code\": " + std::to_string(status) + "}}", {}};
 }
 

@@ -162,6 +162,10 @@ void collect_ended_descendants_at_exit();
 /// when `with_gauges` (the HTTP route's payload; the telemetry_json file keeps the three keys).
 std::string snapshot_to_json(const TelemetrySnapshot& s, bool with_gauges = false);
 
+/// `s` as a JSON string literal, quotes included: `"` and `\` escaped, control characters as \u00XX; other bytes
+/// (UTF-8) as they are.
+std::string json_string(const std::string& s);
+
 /// Write merge_snapshots(...) of every engine of this process whose json path is `path` (live ones and those
 /// already destroyed) to `path` (through a temporary file and a rename). @throws c10::Error when it cannot be written.
 void write_telemetry_json(const std::string& path);
