@@ -1,7 +1,7 @@
 """Compile flags for libclang: the project's compile_commands.json, and what a file without an entry gets.
 
-- A file with an entry is parsed with that entry's arguments (compiler, ``-o``/``-c``/dependency-file options and the
-  source itself removed; relative include paths made absolute against the entry's ``directory``).
+- A file with an entry is parsed with that entry's arguments (compiler, ``-o``/``-c``/dependency-file options,
+  ``-fopenmp`` (see ``_is_openmp``) and the source itself removed; relative include paths made absolute against the entry's ``directory``).
 - A file without an entry (a header, a file added since the last ``make build``) gets the flags of a file in the
   same target: an entry whose include directories (``-I``, ``-isystem``, ``-iquote``) hold the file, else any entry;
   among those the one sharing the longest leading path with the file, provided they share at least the top-level
@@ -115,6 +115,14 @@ def _absolutize(args: list[str], directory: str) -> list[str]:
     return out
 
 
+def _is_openmp(arg: str) -> bool:
+    """``-fopenmp``: dropped for libclang. With it, ``_OPENMP`` makes ATen's ParallelOpenMP.h include ``<omp.h>``, which
+    only the compiler's builtin directory has, and GCC's copy uses GCC-only attribute syntax clang rejects. Without
+    it ATen's headers take their serial branch, where ``at::parallel_for`` calls the same function object directly:
+    the calls the screen follows are the same, and ``#pragma omp`` lines are not calls."""
+    return arg == "-fopenmp" or arg.startswith("-fopenmp=")
+
+
 def _clean(argv: list[str], source: str, directory: str) -> list[str]:
     """Compiler argv (argv[0] the compiler) -> libclang arguments (no compiler, output, or source file)."""
     out: list[str] = []
@@ -127,7 +135,7 @@ def _clean(argv: list[str], source: str, directory: str) -> list[str]:
             skip = True
             continue
         joined_output = (a.startswith("-o") and len(a) > 2) or (a.startswith("-MF") and len(a) > 3)
-        if a in _DROP_ALONE or joined_output or a.startswith("-Wl,"):
+        if a in _DROP_ALONE or joined_output or a.startswith("-Wl,") or _is_openmp(a):
             continue
         if not a.startswith("-") and os.path.normpath(os.path.join(directory, a)) == source:
             continue

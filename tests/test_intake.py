@@ -211,3 +211,21 @@ def test_bench_prints_cold_and_warm_times(tmp_path: Path) -> None:
     lines = done.stdout.splitlines()
     assert re.match(r"cold: +\d+\.\d\d s  \(1 units parsed, 1 files screened, 0 findings\)$", lines[1])
     assert re.match(r"warm: +\d+\.\d\d s  \(0 parsed, 1 from the cache\)  run 1$", lines[2])
+
+
+def test_an_openmp_entry_parses(tmp_path: Path) -> None:
+    """An entry compiled with -fopenmp (the engine's, since at::parallel_for needs it) parses: with _OPENMP, ATen's
+    ParallelOpenMP.h includes <omp.h>, which libclang does not have (GCC's copy uses GCC-only attributes), so the
+    screen drops -fopenmp and reads ATen's serial branch (the same calls). It once failed CI as a parse error."""
+    root = tmp_path / "root"
+    (root / "engine" / "src").mkdir(parents=True)
+    (root / "engine" / "src" / "par.cpp").write_text(
+        "#include <ATen/Parallel.h>\n"
+        "void each(int64_t n) { at::parallel_for(0, n, 1, [](int64_t, int64_t) {}); }\n"
+    )
+    args = ["c++", "-std=c++17", "-fopenmp", "-isystem", torch_include(), "-o", "par.o", "-c", "engine/src/par.cpp"]
+    (root / "compile_commands.json").write_text(
+        json.dumps([{"directory": str(root), "arguments": args, "file": "engine/src/par.cpp"}])
+    )
+    done = intake("scan", "engine", cwd=root)
+    assert done.returncode == 0 and "intake: clean" in done.stdout, done.stdout + done.stderr
