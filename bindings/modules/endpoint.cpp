@@ -104,6 +104,18 @@ PyObject* awaitable_iter(PyObject* o) {
   return it;
 }
 
+/// Send `value` into the awaitable the job is suspended in (what `yield from` does). PYGEN_NEXT: it yielded *out
+/// (still suspended). PYGEN_RETURN: it returned *out (inner released). PYGEN_ERROR: it raised (inner released, the
+/// awaitable finished).
+PySendResult send_inner(AwaitableObject* self, PyObject* value, PyObject** out) {
+  const PySendResult s = PyIter_Send(self->inner, value, out);
+  if (s != PYGEN_NEXT) {
+    Py_CLEAR(self->inner);
+    if (s == PYGEN_ERROR) finish(self);
+  }
+  return s;
+}
+
 /// Run the job from the result `last` (stolen) of the awaitable that just finished, until it either awaits
 /// something that yields (PYGEN_NEXT: the yielded value goes out to our awaiter, i.e. the event loop), returns
 /// (PYGEN_RETURN) or fails (PYGEN_ERROR, exception set).
@@ -132,15 +144,10 @@ PySendResult run_job(AwaitableObject* self, PyObject* last, PyObject** presult) 
       return PYGEN_ERROR;
     }
     PyObject* r = nullptr;
-    const PySendResult s = PyIter_Send(self->inner, Py_None, &r);  // start it: the first value sent is None
-    if (s == PYGEN_NEXT) {
-      *presult = r;
-      return PYGEN_NEXT;
-    }
-    Py_CLEAR(self->inner);
-    if (s == PYGEN_ERROR) {
-      finish(self);
-      return PYGEN_ERROR;
+    const PySendResult s = send_inner(self, Py_None, &r);  // start it: the first value sent is None
+    if (s != PYGEN_RETURN) {
+      if (s == PYGEN_NEXT) *presult = r;
+      return s;
     }
     last = r;  // it returned at once: go on with its result
   }
@@ -195,15 +202,10 @@ PySendResult am_send_running(AwaitableObject* self, PyObject* value, PyObject** 
     return PYGEN_ERROR;
   }
   PyObject* r = nullptr;
-  const PySendResult s = PyIter_Send(self->inner, value, &r);
-  if (s == PYGEN_NEXT) {
-    *presult = r;
-    return PYGEN_NEXT;
-  }
-  Py_CLEAR(self->inner);
-  if (s == PYGEN_ERROR) {
-    finish(self);
-    return PYGEN_ERROR;
+  const PySendResult s = send_inner(self, value, &r);
+  if (s != PYGEN_RETURN) {
+    if (s == PYGEN_NEXT) *presult = r;
+    return s;
   }
   return run_job(self, r, presult);
 }
