@@ -302,7 +302,7 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
     TilePins pins{L, adm.slots};
     admit_and_copy(L, host, adm);
     const int64_t n = static_cast<int64_t>(blocks.size());
-    if (use_fast_kernel(qg.size(1))) {
+    if (use_cuda_kernel(qg.size(1))) {  // the CPU kernel took attend_exact_rounds above
       const int64_t kvh = geometry().num_kv_heads;
       std::vector<int64_t> slots(kvh * n), pos(kvh * n);
       for (int64_t hh = 0; hh < kvh; ++hh) {
@@ -311,7 +311,7 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
           pos[hh * n + j] = static_cast<int64_t>(ti) * tb + j;
         }
       }
-      kernel_tile(L, slots, pos, n, seq - lq, lq, qg, st, scale);
+      cuda_tile(L, slots, pos, n, seq - lq, lq, qg, st, scale);
     } else {
       auto tile = gather_tile(L.pool, index_tensor(adm.slots, device_));  // [KVH, 2, n, bs, D]
       auto mask = tile_mask(seq - lq, lq, static_cast<int64_t>(ti) * tb * bs, n * bs, device_);
@@ -384,7 +384,7 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
     // tiles of tile_blocks the other paths compute.
     native_tile(L, head_slots.data(), pp, m, seq - 1, 1, qg, st, scale);
     telemetry_.add(Counter::kTilesComputed, (m + tb - 1) / tb);
-  } else if (use_fast_kernel(qg.size(1))) {
+  } else if (use_cuda_kernel(qg.size(1))) {
     // Tiles of tile_blocks per head, as the ATen path below (same tile count in telemetry).
     for (int64_t t = 0; t < m; t += tb) {
       const int64_t n = std::min(tb, m - t);
@@ -395,7 +395,7 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
           tpos[hh * n + j] = pp[hh * m + t + j];
         }
       }
-      kernel_tile(L, slots, tpos, n, seq - 1, 1, qg, st, scale);
+      cuda_tile(L, slots, tpos, n, seq - 1, 1, qg, st, scale);
       telemetry_.add(Counter::kTilesComputed);
     }
   } else {
@@ -433,12 +433,8 @@ bool Engine::use_cuda_kernel(int64_t rows) const {
          cuda_kernel_supports(geometry().head_size, rows);
 }
 
-void Engine::kernel_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,
-                         int64_t first_query_pos, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
-  if (use_native()) {
-    native_tile(L, slots.data(), pos.data(), n, first_query_pos, lq, qg, st, scale);
-    return;
-  }
+void Engine::cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,
+                       int64_t first_query_pos, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
   CudaAttendArgs a;
   a.pool = L.pool;
   a.slots = index_tensor(slots, device_);

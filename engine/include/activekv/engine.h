@@ -132,13 +132,14 @@ class Engine {
   /// position pos[h * n + j].
   void native_tile(LayerState& L, const int64_t* slots, const int64_t* pos, int64_t n, int64_t first_query_pos,
                    int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
-  /// The fast kernel of the engine's device for a tile: the CPU kernel, or the CUDA kernel (cuda_kernel.h).
-  void kernel_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,
-                   int64_t first_query_pos, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
+  /// The CUDA kernel (cuda_kernel.h) for a tile, same layout of slots and pos (the CPU kernel is native_tile, called
+  /// once per round by attend_exact_rounds and once per row by attend_selected).
+  void cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,
+                 int64_t first_query_pos, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
   bool use_native() const { return config_.kernel == Kernel::kNative && device_.is_cpu(); }
   /// kNative on CUDA: the CUDA kernel when it is built and supports the head size and rows (G * query tokens).
   bool use_cuda_kernel(int64_t rows) const;
-  /// Either fast kernel applies (kernel_tile runs it), else the ATen tile path.
+  /// Either fast kernel applies (native_tile or cuda_tile), else the ATen tile path.
   bool use_fast_kernel(int64_t rows) const { return use_native() || use_cuda_kernel(rows); }
 
   EngineConfig config_;
