@@ -95,34 +95,52 @@ def test_native_kernel_is_bit_identical_run_to_run_and_across_thread_counts() ->
     assert all(torch.equal(a, b) for a, b in zip(two, again))
 
 
+def test_native_kernel_output_does_not_depend_on_the_pool_size() -> None:
+    """The kernel merges its online softmax once per tile (chunks of tile_blocks blocks from the start of each call),
+    and exact mode hands it whole tiles, so a pool that streams the context one tile at a time and a pool that holds
+    it all give bit-identical outputs (the arithmetic per (row, KV head) does not depend on how tiles group into
+    rounds)."""
+    streaming = Cell(torch.float32, 64, 4, 16, "unaligned", True, 3, True)
+    resident = Cell(torch.float32, 64, 4, 16, "unaligned", False, 3, True)
+    assert streaming.pool_blocks < resident.pool_blocks and host_blocks_for(streaming) == host_blocks_for(resident)
+    small, snap_small = run(streaming, "native")
+    large, snap_large = run(resident, "native")
+    assert snap_small["blocks_evicted"] > 0 == snap_large["blocks_evicted"]  # the small pool did stream
+    assert len(small) == len(large) and all(torch.equal(a, b) for a, b in zip(small, large))
+
+
 CAPABILITY_SCRIPT = """
 import sys, torch
 import activekv._backend as backend
 from tests.test_cpu_kernel import run
 from tests.parity_cells import Cell
-cell = Cell(torch.float32, 80, 4, 16, "multiple", False, 3, True, mode="compressed")
+cell = Cell(getattr(torch, sys.argv[2]), 80, 4, 16, "multiple", False, 3, True, mode="compressed")
 outs, _ = run(cell, "native")
 torch.save(outs, sys.argv[1])
 print(backend.cpu_kernel_capability())
 """
 
 
-def test_every_cpu_capability_agrees_within_tolerance(tmp_path) -> None:
-    """ATEN_CPU_CAPABILITY caps the kernel's capability (as it caps ATen's): default, avx2, avx512 all agree."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_cpu_capability_agrees_within_tolerance(tmp_path, dtype: str) -> None:
+    """ATEN_CPU_CAPABILITY caps the kernel's capability (as it caps ATen's): default, avx2, avx512 all agree. In
+    bfloat16 this also compares AVX-512's bfloat16 dot-product scoring (on a processor with AVX512-BF16) with the
+    widen-then-multiply-add scoring of the other capabilities; head size 80 takes its 16-value tail."""
     results = {}
     for cap in ("default", "avx2", "avx512"):
         out = tmp_path / f"{cap}.pt"
         env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
-        proc = subprocess.run([sys.executable, "-c", CAPABILITY_SCRIPT, str(out)], env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-c", CAPABILITY_SCRIPT, str(out), dtype], env=env, capture_output=True,
                               text=True, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
         assert proc.returncode == 0, proc.stderr
         results[proc.stdout.strip().splitlines()[-1]] = torch.load(out)
     assert "default" in results
     base = results["default"]
+    tol = TOLERANCE[getattr(torch, dtype)]
     for cap, outs in results.items():
+        assert len(outs) == len(base)
         for a, b in zip(outs, base):
-            torch.testing.assert_close(a, b, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32],
-                                       msg=lambda m, cap=cap: f"{cap} vs default: {m}")
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, cap=cap: f"{cap} vs default: {m}")
 
 
 def test_kernel_option_is_validated_and_reported() -> None:

@@ -458,7 +458,7 @@ constexpr int64_t kBlockOuterRows = 16;
 void Engine::native_tile(LayerState& L, const int64_t* slots, const int64_t* pos, int64_t n, int64_t first_query_pos,
                          int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
   const auto& g = geometry();
-  const int64_t kvh = g.num_kv_heads, rows = qg.size(1), d = g.head_size, bs = g.block_size;
+  const int64_t kvh = g.num_kv_heads, rows = qg.size(1), d = g.head_size, bs = g.block_size, tb = g.tile_blocks;
   TORCH_INTERNAL_ASSERT(qg.is_contiguous() && st.m.is_contiguous() && st.l.is_contiguous() && st.acc.is_contiguous());
   const auto* pool = static_cast<const char*>(L.pool.data_ptr());
   const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(L.pool.element_size());  // K and V of (block, head)
@@ -469,10 +469,11 @@ void Engine::native_tile(LayerState& L, const int64_t* slots, const int64_t* pos
   float* m = st.m.data_ptr<float>();
   float* l = st.l.data_ptr<float>();
   float* acc = st.acc.data_ptr<float>();
-  // Tasks are KV heads: each head's blocks are attended in order by one thread, so results do not depend on the
-  // thread count (nor on the loop order below). Decode-sized rows: a thread walks block after block over its heads,
-  // reading a slot's heads as one contiguous run (the pool is [P, KVH, 2, bs, D]). Long prefill chunks: head after
-  // head, so one head's accumulator ([rows, D] float32) stays in cache across its blocks.
+  // Tasks are KV heads: each head's blocks are attended in order by one thread, in chunks of tile_blocks (the
+  // kernel's online-softmax merge unit), so results do not depend on the thread count nor on the loop order below.
+  // Decode-sized rows: a thread walks chunk after chunk over its heads, so a chunk's slots are read head after head
+  // while in cache (the pool is [P, KVH, 2, bs, D]). Long prefill chunks: head after head, so one head's accumulator
+  // ([rows, D] float32) stays in cache across its blocks.
   const bool block_outer = rows <= kBlockOuterRows;
   at::parallel_for(0, kvh, 1, [&](int64_t begin, int64_t end) {
     AttendArgs a;
@@ -483,6 +484,7 @@ void Engine::native_tile(LayerState& L, const int64_t* slots, const int64_t* pos
     a.num_q = lq;
     a.first_query_pos = first_query_pos;
     a.scale = scale;
+    a.chunk_blocks = tb;
     auto run = [&](int64_t hh, int64_t j, int64_t count) {
       a.q = q + hh * rows * d;
       a.num_blocks = count;
@@ -494,8 +496,8 @@ void Engine::native_tile(LayerState& L, const int64_t* slots, const int64_t* pos
       attend_blocks_cpu(a);
     };
     if (block_outer) {
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t hh = begin; hh < end; ++hh) run(hh, j, 1);
+      for (int64_t j = 0; j < n; j += tb)
+        for (int64_t hh = begin; hh < end; ++hh) run(hh, j, std::min(tb, n - j));
     } else {
       for (int64_t hh = begin; hh < end; ++hh) run(hh, 0, n);
     }

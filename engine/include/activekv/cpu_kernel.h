@@ -1,12 +1,18 @@
 #pragma once
 /// @file cpu_kernel.h
-/// @brief Fast CPU attention kernel: online softmax over blocks read in place from the pool (no gather copy), one
-///        (request row, KV head) at a time, with the GQA group's query rows sharing each pass over a block.
+/// @brief Fast CPU attention kernel: online softmax over chunks of blocks (an attention tile of the geometry) read in
+///        place from the pool (no gather copy), one (request row, KV head) at a time, with the GQA group's query rows
+///        sharing each pass over V.
+///
+/// Per chunk and query row: the scores of all the chunk's keys (16 keys at a time in 16 registers, summed by one
+/// butterfly of vector additions with AVX-512, no horizontal reduction per key), one online-softmax merge (Milakov &
+/// Gimelshein 2018; as in FlashAttention, Dao et al. 2022: running max and sum, the accumulator rescaled once per
+/// chunk), then the probabilities times V.
 ///
 /// Built once per CPU capability (DEFAULT, AVX2, AVX512) with ATen's `at::vec::Vectorized` and chosen at run time
 /// (`ATEN_CPU_CAPABILITY=default|avx2|avx512` caps the choice, as it does for ATen). Float32 math whatever the KV
-/// dtype. The arithmetic order is fixed per (row, KV head), so results are identical run to run and across thread
-/// counts; they are not bit-identical to the ATen tile path (vectorised dot products and exp): docs/parity.md states
+/// dtype. The arithmetic order is fixed per (row, KV head) by the chunking (chunk_blocks blocks from the first one
+/// given), so results are identical run to run, across thread counts and however the caller groups whole chunks; they are not bit-identical to the ATen tile path (vectorised dot products and exp): docs/parity.md states
 /// the contract and tests/test_cpu_kernel.py checks it.
 #include <ATen/ATen.h>
 
@@ -25,6 +31,7 @@ struct AttendArgs {
   double scale = 1.0;         ///< softmax scale, applied to q . k
   const float* q = nullptr;   ///< [rows, head_size] float32
   int64_t num_blocks = 0;
+  int64_t chunk_blocks = 1;  ///< blocks per online-softmax merge (the geometry's tile_blocks); the last may be short
   const void* const* kv = nullptr;  ///< [num_blocks] each -> [2, block_size, head_size] (K then V) of one block/head
   const int64_t* block_pos = nullptr;  ///< [num_blocks] position of each block in the row (keys at pos * bs + t)
   float* m = nullptr;    ///< [rows] running max (in/out)
@@ -32,7 +39,8 @@ struct AttendArgs {
   float* acc = nullptr;  ///< [rows, head_size] rescaled accumulator (in/out)
 };
 
-/// Run the kernel of the best available capability.
+/// Run the kernel of the best available capability. block_size and head_size must be multiples of 16 (every supported
+/// geometry's are). @throws c10::Error otherwise
 void attend_blocks_cpu(const AttendArgs& args);
 
 /// Compressed mode's native scoring: the Quest bound (Tang et al., ICML 2024) of a decode row's candidate blocks for

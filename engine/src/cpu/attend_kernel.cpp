@@ -4,6 +4,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <activekv/cpu_kernel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -12,161 +13,249 @@ namespace activekv::cpu_kernel {
 namespace CPU_CAPABILITY {
 
 using Vec = at::vec::Vectorized<float>;
+constexpr int kW = Vec::size();  // keys scored together, and floats per vector
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 namespace {
 
-// dst[0:n] = float(src[0:n]) for bfloat16 / float16 blocks: a full vector of 16-bit values (two float vectors) at a
-// time, then half vectors, then scalars.
+// kW values of T at p as one float vector (bfloat16 / float16 widened exactly).
 template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  using VecT = at::vec::Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  int64_t i = 0;
-  for (; i + 2 * W <= n; i += 2 * W) {
-    static_assert(VecT::size() == 2 * W, "a 16-bit vector holds two float vectors");
-    auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(src + i));
-    lo.store(dst + i);
-    hi.store(dst + i + W);
-  }
-  for (; i + W <= n; i += W) {
-    auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(src + i, W));
+inline Vec load_float(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bfloat16: the high half
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+#else
+    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p, kW));
     (void)hi;
-    lo.store(dst + i);
+    return lo;
+#endif
   }
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
 inline float reduce_add(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
 
-// One block for RB query rows (rows r0 .. r0 + RB - 1 of the args): the rows share every load of K and V. Scores are
-// q . k per key (vectorised fused multiply-adds over the head, reduced once per key), the online-softmax state of each
-// row is rescaled once per block, and the accumulator of each row is read and written once per block: the head is
-// walked one vector at a time with the RB rows' accumulators in registers while the keys stream past.
-template <int RB>
-void block_rows(const AttendArgs& a, int64_t r0, const float* kp, const float* vp, int64_t key0, float* s) {
-  const int64_t bs = a.block_size, d = a.head_size;
-  constexpr int64_t W = Vec::size();
-  const int64_t dv = d - d % W;  // vectorised part of the head
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// out[t] = sum of the lanes of v[t] for the kW vectors v[0..kW). With AVX-512: a butterfly over the 16 vectors (15
+// additions of whole vectors and 30 shuffles for 16 sums) instead of one horizontal reduction per vector (4 dependent
+// shuffle-add pairs each). The summation order is fixed either way.
+#if defined(CPU_CAPABILITY_AVX512)
+inline void lane_sums(const __m512* v, float* out) {
+  // Inputs are taken in the order kPerm (an involution), so that lane t of the result is the sum of v[t].
+  constexpr int kPerm[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+  __m512 b[8], c[4], e[2];
+  for (int k = 0; k < 8; ++k) {  // 256-bit halves: b[k] = [8 partials of input k | 8 partials of input k + 8]
+    const __m512 x = v[kPerm[k]], y = v[kPerm[k + 8]];
+    b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  }
+  for (int k = 0; k < 4; ++k)  // 128-bit quarters: 4 partials per input
+    c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[k], b[k + 4], 0x88), _mm512_shuffle_f32x4(b[k], b[k + 4], 0xDD));
+  for (int k = 0; k < 2; ++k)  // pairs within each quarter: 2 partials per input
+    e[k] = _mm512_add_ps(_mm512_shuffle_ps(c[k], c[k + 2], 0x44), _mm512_shuffle_ps(c[k], c[k + 2], 0xEE));
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_shuffle_ps(e[0], e[1], 0x88), _mm512_shuffle_ps(e[0], e[1], 0xDD)));
+}
+
+inline void lane_sums(const Vec* v, float* out) {
+  static_assert(kW == 16, "AVX-512 float vectors hold 16 lanes");
+  __m512 m[16];
+  for (int t = 0; t < 16; ++t) m[t] = v[t];
+  lane_sums(m, out);
+}
+#else
+inline void lane_sums(const Vec* v, float* out) {
+  for (int t = 0; t < kW; ++t) out[t] = reduce_add(v[t]);
+}
+#endif
+
+// Scores of kW consecutive keys (rows of k, stride d) for one query row: out[t] = scale * (q . k_t). The row's
+// vector of q is loaded once per kW keys; the kW dot products accumulate in kW registers, summed by lane_sums.
+template <typename T>
+inline void score_keys(const float* q, const T* k, int64_t d, float scale, float* out) {
+  Vec acc[kW];
+  for (int t = 0; t < kW; ++t) acc[t] = Vec(0.f);
+  for (int64_t j = 0; j < d; j += kW) {  // d % kW == 0 (checked by attend)
+    const Vec qv = Vec::loadu(q + j);
+    for (int t = 0; t < kW; ++t) acc[t] = at::vec::fmadd(qv, load_float(k + t * d + j), acc[t]);
+  }
+  lane_sums(acc, out);
+  (Vec::loadu(out) * Vec(scale)).store(out);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// bfloat16 K with AVX512-BF16 (`vdpbf16ps`: per float lane, two bfloat16 products added to the accumulator): the
+// query row q_bf16 is the float32 row rounded back to bfloat16, exact because it was widened from the model's
+// bfloat16; K is read as stored, with no widening pass. Per key, head_size / 32 instructions instead of head_size / 16
+// widenings and fused multiply-adds. Used when the processor has the extension (kHasBf16Dot), else score_keys.
+// Same result as score_keys up to float32 rounding (each instruction rounds its two products' sum).
+__attribute__((target("avx512bf16"))) void score_keys_bf16_dot(const at::BFloat16* q_bf16, const at::BFloat16* k,
+                                                                int64_t d, float scale, float* out) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= d; j += 32) {
+    const auto qv = (__m512bh)_mm512_loadu_si512(q_bf16 + j);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(k + t * d + j));
+  }
+  if (j < d) {  // head sizes 80, 112, ...: 16 values left, the upper half zero
+    const auto qv = (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q_bf16 + j)));
+    for (int t = 0; t < 16; ++t) {
+      const auto kv = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + t * d + j)));
+      acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)kv);
+    }
+  }
+  lane_sums(acc, out);
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_loadu_ps(out), _mm512_set1_ps(scale)));
+}
+
+const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
+#endif
+
+// Ask for the cache lines of [p, p + bytes) ahead of use. A block's K and V of one head are a few KiB (4 KiB at
+// block 16 and head size 32 in float32), read one after another from slots spread over the pool: the hardware's stream
+// prefetchers stop at each 4 KiB page, so without this every block starts with demand misses.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+// Causal limit: keys of the block starting at key0 that query row r (of the request row) may see, 0 .. bs.
+inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
+  const int64_t qpos = a.first_query_pos + r % a.num_q;
+  return std::min<int64_t>(a.block_size, std::max<int64_t>(0, qpos - key0 + 1));
+}
+
+// One chunk (blocks c0 .. c0 + cb - 1 of the args, at most chunk_blocks) for RB query rows r0 .. r0 + RB - 1: the
+// scores of every key of the chunk, then one online-softmax merge per row (running max, rescale of the accumulator,
+// probabilities), then the rows' accumulators walk the chunk's V one vector of the head at a time, the RB rows
+// sharing each load. s: [RB, cb * bs] scratch; valid: [RB, cb] scratch; q_bf16: the args' q rounded to bfloat16
+// (bfloat16 KV on a processor with AVX512-BF16) or null.
+template <typename T, int RB>
+void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* s, int64_t* valid,
+                const at::BFloat16* q_bf16) {
+  const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs;
   const float scale = static_cast<float>(a.scale);
-  int64_t valid[RB];
-  int64_t vmax = 0, vmin = bs;
-  for (int i = 0; i < RB; ++i) {
-    const int64_t qpos = a.first_query_pos + (r0 + i) % a.num_q;
-    valid[i] = std::min<int64_t>(bs, std::max<int64_t>(0, qpos - key0 + 1));  // causal: key <= query
-    vmax = std::max(vmax, valid[i]);
-    vmin = std::min(vmin, valid[i]);
-  }
-  if (vmax == 0) return;
-  const float* q[RB];
-  for (int i = 0; i < RB; ++i) q[i] = a.q + (r0 + i) * d;
-  // Scores s[i * bs + t] for t < vmax (keys past a row's causal limit are computed and then ignored).
-  for (int64_t t = 0; t < vmax; ++t) {
-    const float* k = kp + t * d;
-    Vec acc[RB];
-    for (int i = 0; i < RB; ++i) acc[i] = Vec(0.f);
-    for (int64_t j = 0; j < dv; j += W) {
-      const Vec kv = Vec::loadu(k + j);
-      for (int i = 0; i < RB; ++i) acc[i] = at::vec::fmadd(Vec::loadu(q[i] + j), kv, acc[i]);
-    }
+  int64_t any = 0;
+  for (int i = 0; i < RB; ++i)
+    for (int64_t c = 0; c < cb; ++c) any += valid[i * cb + c] = valid_keys(a, r0 + i, a.block_pos[c0 + c] * bs);
+  if (any == 0) return;  // a prefill row group before this chunk: nothing to merge
+  // Scores, block by block so the block's K stays in L1 across the rows; keys past a row's limit become -inf.
+  const int64_t block_bytes = 2 * bs * d * static_cast<int64_t>(sizeof(T));
+  for (int64_t c = 0; c < cb; ++c) {
+    const T* k = static_cast<const T*>(a.kv[c0 + c]);
+    // The next block's K and V while this one is scored (one block ahead measured best: docs/benchmarks.md).
+    if (c0 + c + 1 < a.num_blocks) prefetch_bytes(a.kv[c0 + c + 1], block_bytes);
     for (int i = 0; i < RB; ++i) {
-      float r = reduce_add(acc[i]);
-      for (int64_t j = dv; j < d; ++j) r += q[i][j] * k[j];
-      s[i * bs + t] = r * scale;
+      float* si = s + i * nk + c * bs;
+      const int64_t n = valid[i * cb + c];
+      int64_t t = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        if (q_bf16 != nullptr) {
+          for (; t < n; t += kW) score_keys_bf16_dot(q_bf16 + (r0 + i) * d, k + t * d, d, scale, si + t);
+        }
+      }
+#endif
+      for (; t < n; t += kW) score_keys(a.q + (r0 + i) * d, k + t * d, d, scale, si + t);
+      for (t = n; t < bs; ++t) si[t] = kNegInf;
     }
   }
-  // Online softmax per row: new running max, rescale factor, probabilities in place of the scores.
+  // Online softmax per row over the chunk: new running max, rescale factor, probabilities in place of the scores.
   float alpha[RB];
   for (int i = 0; i < RB; ++i) {
-    const int64_t r = r0 + i, n = valid[i];
-    float* si = s + i * bs;
-    if (n == 0) {
+    const int64_t r = r0 + i;
+    float* si = s + i * nk;
+    Vec vmx(kNegInf);
+    for (int64_t t = 0; t < nk; t += kW) vmx = at::vec::maximum(vmx, Vec::loadu(si + t));
+    const float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+    if (mx == kNegInf) {  // no key of the chunk is visible to this row
       alpha[i] = 1.f;
       continue;
     }
-    float mx = kNegInf;
-    for (int64_t t = 0; t < n; ++t) mx = std::max(mx, si[t]);
     const float m_new = std::max(a.m[r], mx);
     alpha[i] = std::exp(a.m[r] - m_new);  // m = -inf before the first key: alpha = 0
-    int64_t t = 0;
     const Vec vm(m_new);
-    for (; t + W <= n; t += W) (Vec::loadu(si + t) - vm).exp().store(si + t);
-    for (; t < n; ++t) si[t] = std::exp(si[t] - m_new);
-    float l = 0.f;
-    for (t = 0; t < n; ++t) l += si[t];
-    a.l[r] = a.l[r] * alpha[i] + l;
+    Vec sum(0.f);
+    for (int64_t t = 0; t < nk; t += kW) {
+      const Vec p = (Vec::loadu(si + t) - vm).exp();  // exp(-inf) = 0 for the keys past the limit
+      p.store(si + t);
+      sum = sum + p;
+    }
+    a.l[r] = a.l[r] * alpha[i] + reduce_add(sum);
     a.m[r] = m_new;
   }
-  // acc = acc * alpha + sum_t p_t v_t, one vector of the head at a time; a row reads only its valid keys' V.
+  // acc = acc * alpha + sum_t p_t v_t, one vector of the head at a time; a row reads only its visible keys' V.
   float* acc[RB];
   for (int i = 0; i < RB; ++i) acc[i] = a.acc + (r0 + i) * d;
-  for (int64_t j = 0; j < dv; j += W) {
+  for (int64_t j = 0; j < d; j += kW) {
     Vec o[RB];
     for (int i = 0; i < RB; ++i) o[i] = Vec::loadu(acc[i] + j) * Vec(alpha[i]);
-    if (vmin == vmax) {
-      for (int64_t t = 0; t < vmax; ++t) {
-        const Vec v = Vec::loadu(vp + t * d + j);
-        for (int i = 0; i < RB; ++i) o[i] = at::vec::fmadd(Vec(s[i * bs + t]), v, o[i]);
+    for (int64_t c = 0; c < cb; ++c) {
+      const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d + j;
+      const float* p = s + c * bs;
+      int64_t vmax = 0, vmin = bs;
+      for (int i = 0; i < RB; ++i) {
+        vmax = std::max(vmax, valid[i * cb + c]);
+        vmin = std::min(vmin, valid[i * cb + c]);
       }
-    } else {
-      for (int64_t t = 0; t < vmax; ++t) {
-        const Vec v = Vec::loadu(vp + t * d + j);
-        for (int i = 0; i < RB; ++i)
-          if (t < valid[i]) o[i] = at::vec::fmadd(Vec(s[i * bs + t]), v, o[i]);
+      if (vmin == vmax) {  // decode rows, and prefill rows past the block
+        for (int64_t t = 0; t < vmax; ++t) {
+          const Vec vt = load_float(v + t * d);
+          for (int i = 0; i < RB; ++i) o[i] = at::vec::fmadd(Vec(p[i * nk + t]), vt, o[i]);
+        }
+      } else {
+        for (int64_t t = 0; t < vmax; ++t) {
+          const Vec vt = load_float(v + t * d);
+          for (int i = 0; i < RB; ++i)
+            if (t < valid[i * cb + c]) o[i] = at::vec::fmadd(Vec(p[i * nk + t]), vt, o[i]);
+        }
       }
     }
     for (int i = 0; i < RB; ++i) o[i].store(acc[i] + j);
   }
-  for (int64_t j = dv; j < d; ++j) {
-    for (int i = 0; i < RB; ++i) {
-      float o = acc[i][j] * alpha[i];
-      for (int64_t t = 0; t < valid[i]; ++t) o += s[i * bs + t] * vp[t * d + j];
-      acc[i][j] = o;
-    }
-  }
 }
 
-constexpr int kRowBlock = 4;  // query rows sharing each pass over a block (a GQA group of 4 in one pass)
+constexpr int kRowBlock = 4;  // query rows sharing each pass over V (a GQA group of 4 in one pass)
 
 template <typename T>
 void attend(const AttendArgs& a) {
-  const int64_t bs = a.block_size, d = a.head_size;
-  // Per-thread scratch: the block's K and V as float32 (16-bit dtypes), and the scores of kRowBlock rows.
-  thread_local std::vector<float> kf, vf, s;
-  if constexpr (!std::is_same_v<T, float>) {
-    kf.resize(bs * d);
-    vf.resize(bs * d);
+  const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
+  TORCH_CHECK(bs % kW == 0 && d % kW == 0, "the CPU kernel needs block_size and head_size multiples of ", kW,
+              ", got ", bs, " and ", d);
+  thread_local std::vector<float> s;
+  thread_local std::vector<int64_t> valid;
+  thread_local std::vector<at::BFloat16> q_bf16;
+  s.resize(kRowBlock * cmax * bs);
+  valid.resize(kRowBlock * cmax);
+  const at::BFloat16* qb = nullptr;
+#if defined(CPU_CAPABILITY_AVX512)
+  if (std::is_same_v<T, at::BFloat16> && kHasBf16Dot) {
+    q_bf16.resize(a.rows * d);
+    for (int64_t i = 0; i < a.rows * d; ++i) q_bf16[i] = at::BFloat16(a.q[i]);  // exact: widened from bfloat16
+    qb = q_bf16.data();
   }
-  s.resize(kRowBlock * bs);
-  for (int64_t b = 0; b < a.num_blocks; ++b) {
-    const T* kv = static_cast<const T*>(a.kv[b]);
-    const float* kp;
-    const float* vp;
-    if constexpr (std::is_same_v<T, float>) {  // read the pool in place
-      kp = kv;
-      vp = kv + bs * d;
-    } else {
-      to_float(kv, kf.data(), bs * d);
-      to_float(kv + bs * d, vf.data(), bs * d);
-      kp = kf.data();
-      vp = vf.data();
-    }
-    const int64_t key0 = a.block_pos[b] * bs;
+#endif
+  for (int64_t c0 = 0; c0 < a.num_blocks; c0 += cmax) {
+    const int64_t cb = std::min(cmax, a.num_blocks - c0);
     int64_t r0 = 0;
-    for (; r0 + kRowBlock <= a.rows; r0 += kRowBlock) block_rows<kRowBlock>(a, r0, kp, vp, key0, s.data());
+    for (; r0 + kRowBlock <= a.rows; r0 += kRowBlock)
+      chunk_rows<T, kRowBlock>(a, r0, c0, cb, s.data(), valid.data(), qb);
     switch (a.rows - r0) {
-      case 3: block_rows<3>(a, r0, kp, vp, key0, s.data()); break;
-      case 2: block_rows<2>(a, r0, kp, vp, key0, s.data()); break;
-      case 1: block_rows<1>(a, r0, kp, vp, key0, s.data()); break;
+      case 3: chunk_rows<T, 3>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
+      case 2: chunk_rows<T, 2>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
+      case 1: chunk_rows<T, 1>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
       default: break;
     }
   }
 }
 
 }  // namespace
-
 void attend_blocks(const AttendArgs& args) {
   switch (args.dtype) {
     case at::kFloat: return attend<float>(args);
