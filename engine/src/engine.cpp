@@ -238,13 +238,16 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   auto out3 = output.view({output.size(0), h, d});
   const int64_t admitted_before = telemetry_.get(Counter::kBlocksAdmitted);
   const int64_t budget_blocks = selection_.per_head();
+  if (use_native()) {
+    forward_native(L, host, plan, query, out3, scale);
+  } else {
   for (int64_t r = 0; r < plan.num_reqs; ++r) {
     const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
     if (lq == 0) continue;
     const int64_t nb = g.blocks_for(seq);
     auto q = query.narrow(0, q0, lq);
     auto qg = group_query(q, g.num_kv_heads);
-    if (use_fast_kernel(qg.size(1))) qg = qg.contiguous();  // the kernels read rows by pointer
+    if (use_cuda_kernel(qg.size(1))) qg = qg.contiguous();  // the kernel reads rows by pointer
     auto st = online_softmax_init(g.num_kv_heads, qg.size(1), d, device_);
     if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
       attend_selected(L, host, bt + r * width, nb, seq, r, q, qg, st, scale);
@@ -252,6 +255,7 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
       attend_exact(L, host, bt + r * width, nb, seq, lq, qg, st, scale);
     }
     out3.narrow(0, q0, lq).copy_(ungroup_output(online_softmax_finish(st), lq));
+  }
   }
   const int64_t admitted = telemetry_.get(Counter::kBlocksAdmitted) - admitted_before;
   telemetry_.observe_blocks_admitted(admitted);
@@ -292,17 +296,13 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
                           int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
   const int64_t bs = geometry().block_size, tb = geometry().tile_blocks;
   const auto tiles = exact_tiles(row, nb, tb);
-  if (use_native()) {
-    attend_exact_rounds(L, host, tiles, seq, lq, qg, st, scale);
-    return;
-  }
   for (size_t ti = 0; ti < tiles.size(); ++ti) {
     const auto& blocks = tiles[ti];
     auto adm = admit_tile(L, blocks, clock_);
     TilePins pins{L, adm.slots};
     admit_and_copy(L, host, adm);
     const int64_t n = static_cast<int64_t>(blocks.size());
-    if (use_cuda_kernel(qg.size(1))) {  // the CPU kernel took attend_exact_rounds above
+    if (use_cuda_kernel(qg.size(1))) {  // the CPU kernel runs in forward_native
       const int64_t kvh = geometry().num_kv_heads;
       std::vector<int64_t> slots(kvh * n), pos(kvh * n);
       for (int64_t hh = 0; hh < kvh; ++hh) {
@@ -321,70 +321,51 @@ void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* 
   }
 }
 
-void Engine::attend_exact_rounds(LayerState& L, const at::Tensor& host, const std::vector<std::vector<int64_t>>& tiles,
-                                 int64_t seq, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
-  const int64_t kvh = geometry().num_kv_heads, tb = geometry().tile_blocks;
-  const auto pool = static_cast<int64_t>(L.block_of_slot.size());
-  size_t ti = 0;
-  while (ti < tiles.size()) {
-    // Admit tiles in order while the next one fits beside the ones held: the same slots, hits and evictions as
-    // admitting and releasing one tile at a time (a held tile's slots are the newest in LRU order, so no tile that
-    // fits would have evicted them), then one kernel call, one parallel region, for the whole round.
-    TilePins pins{L, {}};  // every slot of the round, released tile after tile as one at a time would
-    std::vector<int64_t> pos;
-    int64_t round_tiles = 0;
-    do {
-      const auto& blocks = tiles[ti];
-      auto adm = admit_tile(L, blocks, clock_);
-      pins.slots.insert(pins.slots.end(), adm.slots.begin(), adm.slots.end());
-      admit_and_copy(L, host, adm);
-      for (size_t j = 0; j < blocks.size(); ++j) pos.push_back(static_cast<int64_t>(ti) * tb + static_cast<int64_t>(j));
-      ++ti;
-      ++round_tiles;
-    } while (ti < tiles.size() && static_cast<int64_t>(tiles[ti].size()) <= pool - L.pinned_slots);
-    const auto n = static_cast<int64_t>(pos.size());
-    std::vector<int64_t> head_slots(kvh * n), head_pos(kvh * n);
-    for (int64_t hh = 0; hh < kvh; ++hh) {
-      std::copy(pins.slots.begin(), pins.slots.end(), head_slots.begin() + hh * n);
-      std::copy(pos.begin(), pos.end(), head_pos.begin() + hh * n);
-    }
-    native_tile(L, head_slots.data(), head_pos.data(), n, seq - lq, lq, qg, st, scale);
-    telemetry_.add(Counter::kTilesComputed, round_tiles);
-  }
+Engine::RowSelection Engine::select_row(LayerState& L, const int32_t* row, int64_t nb, int64_t r,
+                                        const at::Tensor& q) {
+  const int64_t kvh = geometry().num_kv_heads, m = selection_.per_head();
+  const std::vector<int64_t> ids(row, row + nb);
+  const auto row_blocks = index_tensor(ids, at::kCPU);  // one copy on CPU, a second only for a device pool
+  auto pos = select_blocks(q, L.key_min, L.key_max, device_.is_cpu() ? row_blocks : index_tensor(ids, device_),
+                          selection_, /*native_scores=*/use_native());  // [KVH, m] positions
+  RowSelection sel;
+  sel.pos = pos;
+  sel.pos_cpu = pos.to(at::kCPU).contiguous();
+  const int64_t* pp = sel.pos_cpu.data_ptr<int64_t>();
+  // The pool admits the union of the heads' blocks, in position order, all pinned while the row attends.
+  sel.union_pos.assign(pp, pp + kvh * m);
+  std::sort(sel.union_pos.begin(), sel.union_pos.end());
+  sel.union_pos.erase(std::unique(sel.union_pos.begin(), sel.union_pos.end()), sel.union_pos.end());
+  for (int64_t p : sel.union_pos) sel.union_blocks.push_back(row[p]);
+  L.last_selection.emplace_back(r, row_blocks.index_select(0, sel.pos_cpu.view({-1})).view({kvh, m}));
+  telemetry_.add(Counter::kCompressedRows);
+  telemetry_.add(Counter::kCompressedContextBlocks, nb);
+  telemetry_.add(Counter::kSelectedBlocks, kvh * m);
+  telemetry_.add(Counter::kUnionBlocks, static_cast<int64_t>(sel.union_blocks.size()));
+  return sel;
+}
+
+std::vector<int64_t> Engine::RowSelection::head_slots(const std::vector<int64_t>& union_slots, int64_t kvh) const {
+  const int64_t m = pos_cpu.size(1);
+  const int64_t* pp = pos_cpu.data_ptr<int64_t>();
+  std::vector<int64_t> out(kvh * m);
+  for (int64_t i = 0; i < kvh * m; ++i)
+    out[i] = union_slots[std::lower_bound(union_pos.begin(), union_pos.end(), pp[i]) - union_pos.begin()];
+  return out;
 }
 
 void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
                              int64_t r, const at::Tensor& q, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
   const auto& g = geometry();
   const int64_t kvh = g.num_kv_heads, bs = g.block_size, tb = g.tile_blocks, m = selection_.per_head();
-  const std::vector<int64_t> ids(row, row + nb);
-  const auto row_blocks = index_tensor(ids, at::kCPU);  // one copy on CPU, a second only for a device pool
-  auto pos = select_blocks(q, L.key_min, L.key_max, device_.is_cpu() ? row_blocks : index_tensor(ids, device_),
-                          selection_, /*native_scores=*/use_native());  // [KVH, m] positions
-  auto pos_cpu = pos.to(at::kCPU).contiguous();
-  const int64_t* pp = pos_cpu.data_ptr<int64_t>();
-  // The pool admits the union of the heads' blocks, in position order, all pinned while the row attends.
-  std::vector<int64_t> union_pos(pp, pp + kvh * m);
-  std::sort(union_pos.begin(), union_pos.end());
-  union_pos.erase(std::unique(union_pos.begin(), union_pos.end()), union_pos.end());
-  std::vector<int64_t> union_blocks;
-  for (int64_t p : union_pos) union_blocks.push_back(row[p]);
-  auto adm = admit_tile(L, union_blocks, clock_);
+  const auto sel = select_row(L, row, nb, r, q);
+  const auto& pos = sel.pos;
+  const int64_t* pp = sel.pos_cpu.data_ptr<int64_t>();
+  auto adm = admit_tile(L, sel.union_blocks, clock_);
   TilePins pins{L, adm.slots};
   admit_and_copy(L, host, adm);
-  std::vector<int64_t> head_slots(kvh * m);
-  for (int64_t hh = 0; hh < kvh; ++hh) {
-    for (int64_t j = 0; j < m; ++j) {
-      const int64_t u = std::lower_bound(union_pos.begin(), union_pos.end(), pp[hh * m + j]) - union_pos.begin();
-      head_slots[hh * m + j] = adm.slots[u];
-    }
-  }
-  if (use_native()) {
-    // Every selected block is pinned already: one CPU kernel call (one parallel region) over them all, counted as the
-    // tiles of tile_blocks the other paths compute.
-    native_tile(L, head_slots.data(), pp, m, seq - 1, 1, qg, st, scale);
-    telemetry_.add(Counter::kTilesComputed, (m + tb - 1) / tb);
-  } else if (use_cuda_kernel(qg.size(1))) {
+  const auto head_slots = sel.head_slots(adm.slots, kvh);
+  if (use_cuda_kernel(qg.size(1))) {
     // Tiles of tile_blocks per head, as the ATen path below (same tile count in telemetry).
     for (int64_t t = 0; t < m; t += tb) {
       const int64_t n = std::min(tb, m - t);
@@ -417,11 +398,6 @@ void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_
       telemetry_.add(Counter::kTilesComputed);
     }
   }
-  L.last_selection.emplace_back(r, row_blocks.index_select(0, pos_cpu.view({-1})).view({kvh, m}));
-  telemetry_.add(Counter::kCompressedRows);
-  telemetry_.add(Counter::kCompressedContextBlocks, nb);
-  telemetry_.add(Counter::kSelectedBlocks, kvh * m);
-  telemetry_.add(Counter::kUnionBlocks, static_cast<int64_t>(union_blocks.size()));
 }
 
 }  // namespace activekv
@@ -450,58 +426,130 @@ void Engine::cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const s
   cuda_attend()(a);
 }
 
-namespace {
-// Query rows per KV head up to which native_tile walks blocks outermost (a GQA group of up to 16 decode rows).
-constexpr int64_t kBlockOuterRows = 16;
-}  // namespace
-
-void Engine::native_tile(LayerState& L, const int64_t* slots, const int64_t* pos, int64_t n, int64_t first_query_pos,
-                         int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
+// The CPU kernel's forward: one parallel region per round over the whole batch, not one per request row.
+//
+// Admission units in request order (exact rows: their tiles; compressed decode rows: the union of their selection)
+// are admitted while each fits beside those held, as attend_exact / attend_selected admit them one at a time: a held
+// unit's slots are the newest in LRU order, so no unit that fits would have evicted them, and pins are released in
+// admission order, so the slots, hits, evictions, LRU order and telemetry are those of one unit at a time (checked
+// against the ATen path on the parity cells). When the next unit does not fit, or after the last one, the kernel runs
+// over every (request row, KV head) with blocks in the round: tasks split over ATen's intra-op threads, each task's
+// blocks attended in order by one thread, in tiles of tile_blocks (the kernel's online-softmax merge unit; rounds
+// hold whole tiles, so a row's arithmetic does not depend on the rounds, the pool size or the thread count).
+void Engine::forward_native(LayerState& L, const at::Tensor& host, const StepPlan& plan, const at::Tensor& query,
+                            const at::Tensor& out3, double scale) {
   const auto& g = geometry();
-  const int64_t kvh = g.num_kv_heads, rows = qg.size(1), d = g.head_size, bs = g.block_size, tb = g.tile_blocks;
-  TORCH_INTERNAL_ASSERT(qg.is_contiguous() && st.m.is_contiguous() && st.l.is_contiguous() && st.acc.is_contiguous());
-  const auto* pool = static_cast<const char*>(L.pool.data_ptr());
+  const int64_t kvh = g.num_kv_heads, d = g.head_size, bs = g.block_size, tb = g.tile_blocks;
+  const int32_t* qsl = plan.query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = plan.seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = plan.block_table.data_ptr<int32_t>();
+  const int64_t width = plan.block_table.size(1), pool = static_cast<int64_t>(L.block_of_slot.size());
+  struct Row {
+    int64_t q0, lq, first_query_pos;
+    at::Tensor qg;  // [KVH, rows, D] float32, contiguous
+    OnlineSoftmax st;
+    std::vector<std::vector<int64_t>> slots, pos;  // per KV head: this round's blocks (pool slot, row position)
+  };
+  std::vector<Row> rows;
+  rows.reserve(plan.num_reqs);
+  TilePins pins{L, {}};  // the round's slots in admission order
+  int64_t round_tiles = 0;
+  const auto* pool_bytes = static_cast<const char*>(L.pool.data_ptr());
   const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(L.pool.element_size());  // K and V of (block, head)
-  std::vector<const void*> ptrs(kvh * n);
-  for (int64_t hh = 0; hh < kvh; ++hh)
-    for (int64_t j = 0; j < n; ++j) ptrs[hh * n + j] = pool + (slots[hh * n + j] * kvh + hh) * run_bytes;
-  const float* q = qg.data_ptr<float>();
-  float* m = st.m.data_ptr<float>();
-  float* l = st.l.data_ptr<float>();
-  float* acc = st.acc.data_ptr<float>();
-  // Tasks are KV heads: each head's blocks are attended in order by one thread, in chunks of tile_blocks (the
-  // kernel's online-softmax merge unit), so results do not depend on the thread count nor on the loop order below.
-  // Decode-sized rows: a thread walks chunk after chunk over its heads, so a chunk's slots are read head after head
-  // while in cache (the pool is [P, KVH, 2, bs, D]). Long prefill chunks: head after head, so one head's accumulator
-  // ([rows, D] float32) stays in cache across its blocks.
-  const bool block_outer = rows <= kBlockOuterRows;
-  at::parallel_for(0, kvh, 1, [&](int64_t begin, int64_t end) {
-    AttendArgs a;
-    a.dtype = g.dtype;
-    a.block_size = bs;
-    a.head_size = d;
-    a.rows = rows;
-    a.num_q = lq;
-    a.first_query_pos = first_query_pos;
-    a.scale = scale;
-    a.chunk_blocks = tb;
-    auto run = [&](int64_t hh, int64_t j, int64_t count) {
-      a.q = q + hh * rows * d;
-      a.num_blocks = count;
-      a.kv = ptrs.data() + hh * n + j;
-      a.block_pos = pos + hh * n + j;
-      a.m = m + hh * rows;
-      a.l = l + hh * rows;
-      a.acc = acc + hh * rows * d;
-      attend_blocks_cpu(a);
-    };
-    if (block_outer) {
-      for (int64_t j = 0; j < n; j += tb)
-        for (int64_t hh = begin; hh < end; ++hh) run(hh, j, std::min(tb, n - j));
+
+  auto run_round = [&]() {
+    std::vector<std::pair<Row*, int64_t>> tasks;  // (row, KV head)
+    for (auto& row : rows)
+      for (int64_t hh = 0; hh < kvh; ++hh)
+        if (!row.slots[hh].empty()) tasks.emplace_back(&row, hh);
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<const void*> ptrs;
+      for (int64_t t = begin; t < end; ++t) {
+        Row& row = *tasks[t].first;
+        const int64_t hh = tasks[t].second, nrows = row.qg.size(1);
+        const auto& slots = row.slots[hh];
+        ptrs.resize(slots.size());
+        for (size_t j = 0; j < slots.size(); ++j) ptrs[j] = pool_bytes + (slots[j] * kvh + hh) * run_bytes;
+        AttendArgs a;
+        a.dtype = g.dtype;
+        a.block_size = bs;
+        a.head_size = d;
+        a.rows = nrows;
+        a.num_q = row.lq;
+        a.first_query_pos = row.first_query_pos;
+        a.scale = scale;
+        a.chunk_blocks = tb;
+        a.q = row.qg.data_ptr<float>() + hh * nrows * d;
+        a.num_blocks = static_cast<int64_t>(slots.size());
+        a.kv = ptrs.data();
+        a.block_pos = row.pos[hh].data();
+        a.m = row.st.m.data_ptr<float>() + hh * nrows;
+        a.l = row.st.l.data_ptr<float>() + hh * nrows;
+        a.acc = row.st.acc.data_ptr<float>() + hh * nrows * d;
+        attend_blocks_cpu(a);
+      }
+    });
+    for (auto& row : rows)
+      for (int64_t hh = 0; hh < kvh; ++hh) {
+        row.slots[hh].clear();
+        row.pos[hh].clear();
+      }
+    release_tile(L, pins.slots);
+    pins.slots.clear();
+    telemetry_.add(Counter::kTilesComputed, round_tiles);
+    round_tiles = 0;
+  };
+  // Admit one unit, running the round first when the unit does not fit beside the held ones.
+  auto admit = [&](const std::vector<int64_t>& blocks) {
+    if (!pins.slots.empty() && static_cast<int64_t>(blocks.size()) > pool - L.pinned_slots) run_round();
+    auto adm = admit_tile(L, blocks, clock_);
+    pins.slots.insert(pins.slots.end(), adm.slots.begin(), adm.slots.end());
+    admit_and_copy(L, host, adm);
+    return adm.slots;
+  };
+
+  const int64_t budget_blocks = selection_.per_head();
+  for (int64_t r = 0; r < plan.num_reqs; ++r) {
+    const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
+    if (lq == 0) continue;
+    const int64_t nb = g.blocks_for(seq);
+    const int32_t* block_row = bt + r * width;
+    auto q = query.narrow(0, q0, lq);
+    Row& row = rows.emplace_back();
+    row.q0 = q0;
+    row.lq = lq;
+    row.first_query_pos = seq - lq;
+    row.qg = group_query(q, kvh).contiguous();
+    row.st = online_softmax_init(kvh, row.qg.size(1), d, device_);
+    row.slots.assign(kvh, {});
+    row.pos.assign(kvh, {});
+    if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
+      const auto sel = select_row(L, block_row, nb, r, q);
+      const auto union_slots = admit(sel.union_blocks);
+      const auto head_slots = sel.head_slots(union_slots, kvh);
+      const int64_t m = budget_blocks;
+      const int64_t* pp = sel.pos_cpu.data_ptr<int64_t>();
+      for (int64_t hh = 0; hh < kvh; ++hh) {
+        row.slots[hh].assign(head_slots.begin() + hh * m, head_slots.begin() + (hh + 1) * m);
+        row.pos[hh].assign(pp + hh * m, pp + (hh + 1) * m);
+      }
+      round_tiles += (m + tb - 1) / tb;  // counted as the tiles of tile_blocks the other paths compute
     } else {
-      for (int64_t hh = begin; hh < end; ++hh) run(hh, 0, n);
+      const auto tiles = exact_tiles(block_row, nb, tb);
+      for (size_t ti = 0; ti < tiles.size(); ++ti) {
+        const auto slots = admit(tiles[ti]);
+        for (int64_t hh = 0; hh < kvh; ++hh) {
+          row.slots[hh].insert(row.slots[hh].end(), slots.begin(), slots.end());
+          for (size_t j = 0; j < slots.size(); ++j)
+            row.pos[hh].push_back(static_cast<int64_t>(ti) * tb + static_cast<int64_t>(j));
+        }
+        ++round_tiles;
+      }
     }
-  });
+  }
+  if (!pins.slots.empty()) run_round();
+  for (auto& row : rows)
+    out3.narrow(0, row.q0, row.lq).copy_(ungroup_output(online_softmax_finish(row.st), row.lq));
 }
 
 }  // namespace activekv

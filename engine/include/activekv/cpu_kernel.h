@@ -39,8 +39,8 @@ struct AttendArgs {
   float* acc = nullptr;  ///< [rows, head_size] rescaled accumulator (in/out)
 };
 
-/// Run the kernel of the best available capability. block_size and head_size must be multiples of 16 (every supported
-/// geometry's are). @throws c10::Error otherwise
+/// Run the kernel of the best available capability (any block_size and head_size; vectorised for multiples of the
+/// vector width, with scalar tails otherwise).
 void attend_blocks_cpu(const AttendArgs& args);
 
 /// Compressed mode's native scoring: the Quest bound (Tang et al., ICML 2024) of a decode row's candidate blocks for

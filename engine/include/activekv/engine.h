@@ -121,26 +121,29 @@ class Engine {
   void check_layer(int64_t layer) const;
   void attend_exact(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq, int64_t lq,
                     const at::Tensor& qg, OnlineSoftmax& st, double scale);
-  /// attend_exact with the CPU kernel: tiles admitted in order while they fit the pool together, each such round one
-  /// kernel call (one parallel region); admission, transfers and telemetry as one tile at a time.
-  void attend_exact_rounds(LayerState& L, const at::Tensor& host, const std::vector<std::vector<int64_t>>& tiles,
-                           int64_t seq, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
   void attend_selected(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
                        int64_t r, const at::Tensor& q, const at::Tensor& qg, OnlineSoftmax& st, double scale);
   void admit_and_copy(LayerState& L, const at::Tensor& host, TileAdmission& adm);
-  /// Fast kernel over `n` blocks per KV head: slots[h * n + j] is the pool slot of head h's j-th block, at row
+  /// Compressed mode's selection of one decode row: [KVH, m] block positions (on the engine's device and on CPU),
+  /// the union of the heads' blocks in position order; records the row's selection and the compressed counters.
+  struct RowSelection {
+    at::Tensor pos, pos_cpu;
+    std::vector<int64_t> union_pos, union_blocks;
+    /// Pool slot of every (head, selected block), [KVH * m], given the union's slots (in union order).
+    std::vector<int64_t> head_slots(const std::vector<int64_t>& union_slots, int64_t kvh) const;
+  };
+  RowSelection select_row(LayerState& L, const int32_t* row, int64_t nb, int64_t r, const at::Tensor& q);
+  /// Every row of a forward with the CPU kernel (engine.cpp): admission units in request order while they fit the
+  /// pool together, one kernel call (one parallel region) per round over all (row, KV head) tasks.
+  void forward_native(LayerState& L, const at::Tensor& host, const StepPlan& plan, const at::Tensor& query,
+                      const at::Tensor& out3, double scale);
+  /// The CUDA kernel (cuda_kernel.h) for a tile: slots[h * n + j] is the pool slot of head h's j-th block, at row
   /// position pos[h * n + j].
-  void native_tile(LayerState& L, const int64_t* slots, const int64_t* pos, int64_t n, int64_t first_query_pos,
-                   int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
-  /// The CUDA kernel (cuda_kernel.h) for a tile, same layout of slots and pos (the CPU kernel is native_tile, called
-  /// once per round by attend_exact_rounds and once per row by attend_selected).
   void cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,
                  int64_t first_query_pos, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
   bool use_native() const { return config_.kernel == Kernel::kNative && device_.is_cpu(); }
   /// kNative on CUDA: the CUDA kernel when it is built and supports the head size and rows (G * query tokens).
   bool use_cuda_kernel(int64_t rows) const;
-  /// Either fast kernel applies (native_tile or cuda_tile), else the ATen tile path.
-  bool use_fast_kernel(int64_t rows) const { return use_native() || use_cuda_kernel(rows); }
 
   EngineConfig config_;
   at::Device device_;

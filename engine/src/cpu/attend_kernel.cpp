@@ -74,18 +74,32 @@ inline void lane_sums(const Vec* v, float* out) {
 }
 #endif
 
-// Scores of kW consecutive keys (rows of k, stride d) for one query row: out[t] = scale * (q . k_t). The row's
-// vector of q is loaded once per kW keys; the kW dot products accumulate in kW registers, summed by lane_sums.
+// Scores of n <= kW consecutive keys (rows of k, stride d) for one query row: out[t] = scale * (q . k_t), t < n. The
+// row's vector of q is loaded once per kW keys; the dot products accumulate in kW registers, summed by lane_sums; a
+// head size that is not a multiple of kW ends with a scalar tail.
 template <typename T>
-inline void score_keys(const float* q, const T* k, int64_t d, float scale, float* out) {
+inline void score_keys(const float* q, const T* k, int64_t d, int64_t n, float scale, float* out) {
   Vec acc[kW];
   for (int t = 0; t < kW; ++t) acc[t] = Vec(0.f);
-  for (int64_t j = 0; j < d; j += kW) {  // d % kW == 0 (checked by attend)
-    const Vec qv = Vec::loadu(q + j);
-    for (int t = 0; t < kW; ++t) acc[t] = at::vec::fmadd(qv, load_float(k + t * d + j), acc[t]);
+  const int64_t dv = d - d % kW;
+  if (n == kW) {  // the common case, fully unrolled
+    for (int64_t j = 0; j < dv; j += kW) {
+      const Vec qv = Vec::loadu(q + j);
+      for (int t = 0; t < kW; ++t) acc[t] = at::vec::fmadd(qv, load_float(k + t * d + j), acc[t]);
+    }
+  } else {
+    for (int64_t j = 0; j < dv; j += kW) {
+      const Vec qv = Vec::loadu(q + j);
+      for (int64_t t = 0; t < n; ++t) acc[t] = at::vec::fmadd(qv, load_float(k + t * d + j), acc[t]);
+    }
   }
-  lane_sums(acc, out);
-  (Vec::loadu(out) * Vec(scale)).store(out);
+  float sums[kW];
+  lane_sums(acc, sums);
+  for (int64_t t = 0; t < n; ++t) {
+    float r = sums[t];
+    for (int64_t j = dv; j < d; ++j) r += q[j] * static_cast<float>(k[t * d + j]);
+    out[t] = r * scale;
+  }
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -157,12 +171,12 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
       int64_t t = 0;
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (q_bf16 != nullptr) {
-          for (; t < n; t += kW) score_keys_bf16_dot(q_bf16 + (r0 + i) * d, k + t * d, d, scale, si + t);
+        if (q_bf16 != nullptr) {  // whole groups of 16 keys (16 floats of out each)
+          for (; t + kW <= n; t += kW) score_keys_bf16_dot(q_bf16 + (r0 + i) * d, k + t * d, d, scale, si + t);
         }
       }
 #endif
-      for (; t < n; t += kW) score_keys(a.q + (r0 + i) * d, k + t * d, d, scale, si + t);
+      for (; t < n; t += kW) score_keys(a.q + (r0 + i) * d, k + t * d, d, std::min<int64_t>(kW, n - t), scale, si + t);
       for (t = n; t < bs; ++t) si[t] = kNegInf;
     }
   }
@@ -171,9 +185,11 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   for (int i = 0; i < RB; ++i) {
     const int64_t r = r0 + i;
     float* si = s + i * nk;
+    const int64_t nkv = nk - nk % kW;
     Vec vmx(kNegInf);
-    for (int64_t t = 0; t < nk; t += kW) vmx = at::vec::maximum(vmx, Vec::loadu(si + t));
-    const float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+    for (int64_t t = 0; t < nkv; t += kW) vmx = at::vec::maximum(vmx, Vec::loadu(si + t));
+    float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+    for (int64_t t = nkv; t < nk; ++t) mx = std::max(mx, si[t]);
     if (mx == kNegInf) {  // no key of the chunk is visible to this row
       alpha[i] = 1.f;
       continue;
@@ -182,18 +198,21 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
     alpha[i] = std::exp(a.m[r] - m_new);  // m = -inf before the first key: alpha = 0
     const Vec vm(m_new);
     Vec sum(0.f);
-    for (int64_t t = 0; t < nk; t += kW) {
+    for (int64_t t = 0; t < nkv; t += kW) {
       const Vec p = (Vec::loadu(si + t) - vm).exp();  // exp(-inf) = 0 for the keys past the limit
       p.store(si + t);
       sum = sum + p;
     }
-    a.l[r] = a.l[r] * alpha[i] + reduce_add(sum);
+    float l = reduce_add(sum);
+    for (int64_t t = nkv; t < nk; ++t) l += si[t] = std::exp(si[t] - m_new);
+    a.l[r] = a.l[r] * alpha[i] + l;
     a.m[r] = m_new;
   }
   // acc = acc * alpha + sum_t p_t v_t, one vector of the head at a time; a row reads only its visible keys' V.
   float* acc[RB];
   for (int i = 0; i < RB; ++i) acc[i] = a.acc + (r0 + i) * d;
-  for (int64_t j = 0; j < d; j += kW) {
+  const int64_t dv = d - d % kW;
+  for (int64_t j = 0; j < dv; j += kW) {
     Vec o[RB];
     for (int i = 0; i < RB; ++i) o[i] = Vec::loadu(acc[i] + j) * Vec(alpha[i]);
     for (int64_t c = 0; c < cb; ++c) {
@@ -219,6 +238,16 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
     }
     for (int i = 0; i < RB; ++i) o[i].store(acc[i] + j);
   }
+  for (int64_t j = dv; j < d; ++j) {  // head sizes that are not a multiple of kW
+    for (int i = 0; i < RB; ++i) {
+      float o = acc[i][j] * alpha[i];
+      for (int64_t c = 0; c < cb; ++c) {
+        const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d + j;
+        for (int64_t t = 0; t < valid[i * cb + c]; ++t) o += s[i * nk + c * bs + t] * static_cast<float>(v[t * d]);
+      }
+      acc[i][j] = o;
+    }
+  }
 }
 
 constexpr int kRowBlock = 4;  // query rows sharing each pass over V (a GQA group of 4 in one pass)
@@ -226,8 +255,6 @@ constexpr int kRowBlock = 4;  // query rows sharing each pass over V (a GQA grou
 template <typename T>
 void attend(const AttendArgs& a) {
   const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
-  TORCH_CHECK(bs % kW == 0 && d % kW == 0, "the CPU kernel needs block_size and head_size multiples of ", kW,
-              ", got ", bs, " and ", d);
   thread_local std::vector<float> s;
   thread_local std::vector<int64_t> valid;
   thread_local std::vector<at::BFloat16> q_bf16;
@@ -235,7 +262,7 @@ void attend(const AttendArgs& a) {
   valid.resize(kRowBlock * cmax);
   const at::BFloat16* qb = nullptr;
 #if defined(CPU_CAPABILITY_AVX512)
-  if (std::is_same_v<T, at::BFloat16> && kHasBf16Dot) {
+  if (std::is_same_v<T, at::BFloat16> && kHasBf16Dot && d % 16 == 0) {  // its tail handles 16 values
     q_bf16.resize(a.rows * d);
     for (int64_t i = 0; i < a.rows * d; ++i) q_bf16[i] = at::BFloat16(a.q[i]);  // exact: widened from bfloat16
     qb = q_bf16.data();
