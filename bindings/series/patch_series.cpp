@@ -173,8 +173,15 @@ GitResult Tree::git(const std::vector<std::string>& args) const {
     if (n > 0) result.output.append(buf, static_cast<size_t>(n));
   }
   ::close(fds[0]);
+  // A failed wait must not read as git's success: in a process that ignores SIGCHLD (a host program may), the child is
+  // reaped by the kernel and waitpid fails with ECHILD; the status would then be the initial 0, "applied" everywhere.
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  pid_t waited;
+  while ((waited = ::waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
+  }
+  if (waited != pid) {
+    throw PatchError(std::string("cannot wait for git (its exit status decides the patch series' state): ") +
+                     std::strerror(errno) + (errno == ECHILD ? " (is SIGCHLD ignored in this process?)" : ""));
   }
   result.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   while (!result.output.empty() && (result.output.back() == '\n' || result.output.back() == ' ')) {

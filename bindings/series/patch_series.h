@@ -65,7 +65,7 @@ class Tree {
 
   /// Runs `git -C root args...`; output captured. An installed tree gets no user or system git configuration and no
   /// repository above it; a checkout keeps the user's configuration (git am commits as them). Throws PatchError when
-  /// git cannot be run.
+  /// git cannot be run or waited for.
   GitResult git(const std::vector<std::string>& args) const;
 
   GitResult git_apply(const std::vector<std::string>& patches, bool reverse, bool check) const;
