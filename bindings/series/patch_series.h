@@ -1,7 +1,8 @@
 #pragma once
 // The vLLM patch series, read and checked natively: which patches of a series are applied to a vLLM tree, and whether
 // the ACTIVEKV backend can run there. Pure C++ (no Python headers, no pybind11): a static library linked into the
-// `activekv` launcher (bindings/launcher/, which also applies and reverts the series).
+// `activekv` launcher (bindings/launcher/, which also applies and reverts the series) and into the `_backend` module
+// (bindings/modules/backend.cpp, the start-up check a Python user's vLLM process runs).
 //
 // Every check drives git as a subprocess (posix_spawn, `git apply --check [--reverse]`): it reads files and never
 // changes anything. Errors are thrown as PatchError, whose message says what was expected and what was found.
@@ -112,5 +113,9 @@ Check check_series(const Tree& tree, const Series& series);
 
 /// Why `activekv serve` / `run-batch` refuse the ACTIVEKV backend ("" when check.ok()): the launcher's message.
 std::string preflight_problem(const Check& check);
+
+/// Why the ACTIVEKV backend cannot run in a Python process's vLLM ("" when check.ok()): what was expected, what was
+/// found (per patch when the series is not fully applied) and the commands that fix it, naming the tree.
+std::string startup_problem(const Check& check);
 
 }  // namespace activekv::series
