@@ -257,8 +257,9 @@ for make in (lambda: _backend.Impl(4, 32, 0.1, 2), lambda: _backend.Builder(spec
 """
 
 
-def start_up(site: Path) -> list[str]:
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(REPO)}
+def start_up(site: Path, **extra: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "ACTIVEKV_SKIP_PATCH_CHECK"}
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO), **extra)
     done = subprocess.run([sys.executable, "-c", STARTUP, str(site)], capture_output=True, text=True, timeout=300,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -281,6 +282,29 @@ def test_startup_on_the_imported_linked_vllm_passes_then_fails_once_a_patch_is_c
     assert f"`activekv patch apply --vllm {site}`" in lines[0]
     # The venv's own vLLM is untouched (the check looked at the imported copy, not at the venv).
     assert _backend.check_patch_series(str(VENV_SITE))["state"] == "applied"
+
+
+def test_startup_escape_hatch_and_a_check_that_cannot_run(tmp_path: Path) -> None:
+    """Without git (docs/vllm_support.md applies the series with patch(1) where git is missing) the check cannot run:
+    start-up says so and names ACTIVEKV_SKIP_PATCH_CHECK=1, which starts without the check; any value but 0 or 1 is
+    refused rather than read as either."""
+    site = linked_vllm(tmp_path / "site")
+    module = site / MODULE
+    module.write_text(module.read_text().replace(MODULE_LINE, OTHER_LINE))
+    assert start_up(site, ACTIVEKV_SKIP_PATCH_CHECK="1") == ["started"] * 3
+    assert start_up(site, ACTIVEKV_SKIP_PATCH_CHECK="0")[0].startswith(
+        "RuntimeError: the ACTIVEKV attention backend cannot run on the vLLM this process imported: ")
+    assert start_up(site, ACTIVEKV_SKIP_PATCH_CHECK="yes") == [
+        "RuntimeError: ACTIVEKV_SKIP_PATCH_CHECK must be 1 (start without the patch series check) or 0, got 'yes'"] * 3
+    no_git = tmp_path / "no-git-bin"
+    no_git.mkdir()
+    lines = start_up(site, PATH=str(no_git))
+    assert len(lines) == 3 and len(set(lines)) == 1, lines
+    assert lines[0].startswith("RuntimeError: cannot check that ActiveKV's patch series is applied to the vLLM this "
+                               f"process imported ({site}/vllm): cannot run git"), lines[0]
+    assert lines[0].endswith(". Set ACTIVEKV_SKIP_PATCH_CHECK=1 to start without this check (where it cannot run, "
+                             "e.g. without git) only if the vLLM there carries this ActiveKV's series"), lines[0]
+    assert start_up(site, PATH=str(no_git), ACTIVEKV_SKIP_PATCH_CHECK="1") == ["started"] * 3
 
 
 def test_startup_without_vllm_imported_checks_nothing() -> None:
@@ -313,7 +337,8 @@ def test_llm_with_activekv_on_a_vllm_patched_by_another_series_fails_at_start_up
 
     model = make_tiny_model(REPO / "build" / "tiny-llama")
     site = linked_vllm(tmp_path / "site")
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": str(REPO), "VLLM_LOGGING_LEVEL": "ERROR"}
+    env = {k: v for k, v in os.environ.items() if k != "ACTIVEKV_SKIP_PATCH_CHECK"}
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="ERROR")
 
     def run() -> list[str]:
         done = subprocess.run([sys.executable, "-c", ENGINE, str(site), str(model)], capture_output=True, text=True,

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -203,11 +204,15 @@ std::mutex g_series_mu;
 bool g_series_checked = false;
 std::string g_series_problem;
 
+// The escape hatch: "1" starts without the check. For environments that cannot run it, chiefly where git is not
+// installed (docs/vllm_support.md applies the series with patch(1) there); the user then vouches for the series.
+constexpr const char* kSkipCheckVar = "ACTIVEKV_SKIP_PATCH_CHECK";
+
 /// Raises RuntimeError when the vLLM this process imported (sys.modules['vllm'].__file__) does not carry this wheel's
 /// patch series (another vLLM version, a series not or only partly applied, files changed, another release's series),
 /// or when that cannot be checked. Once per process; later calls repeat the first verdict. No vLLM in sys.modules
-/// (the bindings driven directly, as the tests and tools do): nothing to compare, no check. Reads sys.modules, imports
-/// nothing; git runs without the GIL.
+/// (the bindings driven directly, as the tests and tools do): nothing to compare, no check. ACTIVEKV_SKIP_PATCH_CHECK=1
+/// skips it. Reads sys.modules and the environment, imports nothing; git runs without the GIL.
 void require_patched_vllm() {
   {
     std::lock_guard<std::mutex> lock(g_series_mu);
@@ -219,6 +224,8 @@ void require_patched_vllm() {
   PyObject* modules = PySys_GetObject("modules");  // borrowed
   PyObject* vllm = modules != nullptr && PyDict_Check(modules) ? PyDict_GetItemString(modules, "vllm") : nullptr;
   if (vllm == nullptr) return;
+  const char* skip_env = std::getenv(kSkipCheckVar);
+  const std::string skip = skip_env != nullptr ? skip_env : "";
   const py::object file = py::getattr(py::handle(vllm), "__file__", py::none());
   const std::string init = py::isinstance<py::str>(file) ? file.cast<std::string>() : std::string();
   const std::string file_repr = std::string(py::repr(file));
@@ -227,13 +234,20 @@ void require_patched_vllm() {
     py::gil_scoped_release release;
     std::lock_guard<std::mutex> lock(g_series_mu);
     if (!g_series_checked) {
-      if (init.empty()) {
+      const std::string hatch = std::string(". Set ") + kSkipCheckVar + "=1 to start without this check (where it "
+                                "cannot run, e.g. without git) only if the vLLM there carries this ActiveKV's series";
+      if (skip == "1") {
+        g_series_problem.clear();
+      } else if (!skip.empty() && skip != "0") {
+        g_series_problem = std::string(kSkipCheckVar) + " must be 1 (start without the patch series check) or 0, "
+                           "got '" + skip + "'";
+      } else if (init.empty()) {
         g_series_problem = "cannot check that ActiveKV's patch series is applied to the vLLM this process imported: "
-                           "sys.modules['vllm'] has no __file__ (got " + file_repr + ")";
+                           "sys.modules['vllm'] has no __file__ (got " + file_repr + ")" + hatch;
       } else {
-        g_series_problem = series_verdict(activekv::series::dirname(init), installed_patch_dir(),
-                                          "the vLLM this process imported")
-                               .problem;
+        const SeriesVerdict v = series_verdict(activekv::series::dirname(init), installed_patch_dir(),
+                                               "the vLLM this process imported");
+        g_series_problem = v.ran ? v.problem : v.problem + hatch;
       }
       g_series_checked = true;
     }
