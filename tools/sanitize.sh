@@ -32,6 +32,9 @@ built=$(date +%s)
 # The modules as the package `activekv` (a namespace package): a folder on PYTHONPATH ahead of site-packages.
 rm -rf "$DIR/pkg" && mkdir -p "$DIR/pkg/activekv"
 for m in $MODULES; do ln -s "$(realpath "$DIR"/_"$m".*.so)" "$DIR/pkg/activekv/"; done
+# The series beside the modules, where the wheel installs it: _backend's start-up check reads it there in a process
+# that imported vLLM.
+ln -s "$(realpath patches)" "$DIR/pkg/activekv/patches"
 
 # libstdc++ is preloaded too: python does not link it, so without it ASan's __cxa_throw interceptor finds no real
 # __cxa_throw at start-up and the first C++ exception (any rejected input) aborts with "CHECK failed ... real___cxa_throw".

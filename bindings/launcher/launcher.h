@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "patch_series.h"
+
 namespace activekv::launcher {
 
 /// The Python environment the launcher belongs to, found from the launcher's own location (/proc/self/exe), never
@@ -54,11 +56,11 @@ PluginsDecision plugins_allowlist(const char* current, const Environment& env);
 /// `activekv serve|run-batch ARGS...`: vLLM's CLI in-process; argv entries are raw bytes, decoded as Python would.
 int vllm_main(const std::string& subcommand, const std::vector<const char*>& args, const Environment& env);
 
-// Small helpers shared by the launcher's files.
-bool is_file(const std::string& path);
-bool is_dir(const std::string& path);
-std::string dirname(const std::string& path);
-std::string join(const std::string& a, const std::string& b);
-bool read_file(const std::string& path, std::string& out);
+// Small helpers shared by the launcher's files (bindings/series/patch_series.cpp).
+using series::dirname;
+using series::is_dir;
+using series::is_file;
+using series::join;
+using series::read_file;
 
 }  // namespace activekv::launcher

@@ -1,48 +1,15 @@
 // `activekv`: version, patch, serve, run-batch. See launcher.h for the shape and embed.cpp for the one entry into
 // Python (vLLM's CLI).
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 #include "launcher.h"
 
 namespace activekv::launcher {
-
-bool is_file(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-bool is_dir(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-std::string dirname(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
-std::string join(const std::string& a, const std::string& b) {
-  if (a.empty() || a.back() == '/') return a + b;
-  return a + "/" + b;
-}
-
-bool read_file(const std::string& path, std::string& out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  out = buf.str();
-  return static_cast<bool>(in) || in.eof();
-}
 
 namespace {
 

