@@ -458,35 +458,54 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, const StepPla
   const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(L.pool.element_size());  // K and V of (block, head)
 
   auto run_round = [&]() {
-    std::vector<std::pair<Row*, int64_t>> tasks;  // (row, KV head)
+    // Tasks: (row, first KV head, heads). With at least two rows per thread a task is a whole row and walks its heads
+    // tile by tile (a tile's slots hold every head's K and V side by side: [P, KVH, 2, bs, D]), so the pool is read
+    // close to its address order; with fewer rows each task is one (row, KV head), so the heads keep every thread busy.
+    int64_t round_rows = 0;
+    for (const auto& row : rows) round_rows += row.slots[0].empty() && row.slots[kvh - 1].empty() ? 0 : 1;
+    const int64_t per_task = round_rows >= 2 * at::get_num_threads() ? kvh : 1;
+    std::vector<std::pair<Row*, int64_t>> tasks;  // (row, first head)
     for (auto& row : rows)
-      for (int64_t hh = 0; hh < kvh; ++hh)
-        if (!row.slots[hh].empty()) tasks.emplace_back(&row, hh);
+      for (int64_t h0 = 0; h0 < kvh; h0 += per_task) {
+        bool any = false;
+        for (int64_t hh = h0; hh < h0 + per_task; ++hh) any = any || !row.slots[hh].empty();
+        if (any) tasks.emplace_back(&row, h0);
+      }
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<const void*> ptrs;
+      AttendArgs a;
+      a.dtype = g.dtype;
+      a.block_size = bs;
+      a.head_size = d;
+      a.scale = scale;
+      a.chunk_blocks = tb;
       for (int64_t t = begin; t < end; ++t) {
         Row& row = *tasks[t].first;
-        const int64_t hh = tasks[t].second, nrows = row.qg.size(1);
-        const auto& slots = row.slots[hh];
-        ptrs.resize(slots.size());
-        for (size_t j = 0; j < slots.size(); ++j) ptrs[j] = pool_bytes + (slots[j] * kvh + hh) * run_bytes;
-        AttendArgs a;
-        a.dtype = g.dtype;
-        a.block_size = bs;
-        a.head_size = d;
+        const int64_t h0 = tasks[t].second, nrows = row.qg.size(1);
         a.rows = nrows;
         a.num_q = row.lq;
         a.first_query_pos = row.first_query_pos;
-        a.scale = scale;
-        a.chunk_blocks = tb;
-        a.q = row.qg.data_ptr<float>() + hh * nrows * d;
-        a.num_blocks = static_cast<int64_t>(slots.size());
-        a.kv = ptrs.data();
-        a.block_pos = row.pos[hh].data();
-        a.m = row.st.m.data_ptr<float>() + hh * nrows;
-        a.l = row.st.l.data_ptr<float>() + hh * nrows;
-        a.acc = row.st.acc.data_ptr<float>() + hh * nrows * d;
-        attend_blocks_cpu(a);
+        int64_t longest = 0;
+        for (int64_t hh = h0; hh < h0 + per_task; ++hh)
+          longest = std::max(longest, static_cast<int64_t>(row.slots[hh].size()));
+        // Tile after tile, head after head: each (row, head) still sees its blocks in order, in tiles of tb.
+        for (int64_t j = 0; j < longest; j += tb) {
+          for (int64_t hh = h0; hh < h0 + per_task; ++hh) {
+            const auto& slots = row.slots[hh];
+            const int64_t n = std::min<int64_t>(tb, static_cast<int64_t>(slots.size()) - j);
+            if (n <= 0) continue;
+            ptrs.resize(n);
+            for (int64_t i = 0; i < n; ++i) ptrs[i] = pool_bytes + (slots[j + i] * kvh + hh) * run_bytes;
+            a.q = row.qg.data_ptr<float>() + hh * nrows * d;
+            a.num_blocks = n;
+            a.kv = ptrs.data();
+            a.block_pos = row.pos[hh].data() + j;
+            a.m = row.st.m.data_ptr<float>() + hh * nrows;
+            a.l = row.st.l.data_ptr<float>() + hh * nrows;
+            a.acc = row.st.acc.data_ptr<float>() + hh * nrows * d;
+            attend_blocks_cpu(a);
+          }
+        }
       }
     });
     for (auto& row : rows)
