@@ -106,7 +106,7 @@ inline void score_keys(const float* q, const T* k, int64_t d, int64_t n, float s
 // bfloat16 K with AVX512-BF16 (`vdpbf16ps`: per float lane, two bfloat16 products added to the accumulator): the
 // query row q_bf16 is the float32 row rounded back to bfloat16, exact because it was widened from the model's
 // bfloat16; K is read as stored, with no widening pass. Per key, head_size / 32 instructions instead of head_size / 16
-// widenings and fused multiply-adds. Used when the processor has the extension (kHasBf16Dot), else score_keys.
+// widenings and fused multiply-adds. Used when the processor has the extension (has_bf16_dot), else score_keys.
 // Same result as score_keys up to float32 rounding (each instruction rounds its two products' sum).
 __attribute__((target("avx512bf16"))) void score_keys_bf16_dot(const at::BFloat16* q_bf16, const at::BFloat16* k,
                                                                 int64_t d, float scale, float* out) {
@@ -128,7 +128,12 @@ __attribute__((target("avx512bf16"))) void score_keys_bf16_dot(const at::BFloat1
   _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_loadu_ps(out), _mm512_set1_ps(scale)));
 }
 
-const bool kHasBf16Dot = __builtin_cpu_supports("avx512bf16");
+// Whether the processor has AVX512-BF16 (asked once; __builtin_cpu_init first, as a static initializer may run before
+// libgcc's own).
+bool has_bf16_dot() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16") != 0);
+  return yes;
+}
 #endif
 
 // Ask for the cache lines of [p, p + bytes) ahead of use. A block's K and V of one head are a few KiB (4 KiB at
@@ -262,7 +267,7 @@ void attend(const AttendArgs& a) {
   valid.resize(kRowBlock * cmax);
   const at::BFloat16* qb = nullptr;
 #if defined(CPU_CAPABILITY_AVX512)
-  if (std::is_same_v<T, at::BFloat16> && kHasBf16Dot && d % 16 == 0) {  // its tail handles 16 values
+  if (std::is_same_v<T, at::BFloat16> && has_bf16_dot() && d % 16 == 0) {  // its tail handles 16 values
     q_bf16.resize(a.rows * d);
     for (int64_t i = 0; i < a.rows * d; ++i) q_bf16[i] = at::BFloat16(a.q[i]);  // exact: widened from bfloat16
     qb = q_bf16.data();
