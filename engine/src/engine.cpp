@@ -241,21 +241,21 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   if (use_native()) {
     forward_native(L, host, plan, query, out3, scale);
   } else {
-  for (int64_t r = 0; r < plan.num_reqs; ++r) {
-    const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
-    if (lq == 0) continue;
-    const int64_t nb = g.blocks_for(seq);
-    auto q = query.narrow(0, q0, lq);
-    auto qg = group_query(q, g.num_kv_heads);
-    if (use_cuda_kernel(qg.size(1))) qg = qg.contiguous();  // the kernel reads rows by pointer
-    auto st = online_softmax_init(g.num_kv_heads, qg.size(1), d, device_);
-    if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
-      attend_selected(L, host, bt + r * width, nb, seq, r, q, qg, st, scale);
-    } else {
-      attend_exact(L, host, bt + r * width, nb, seq, lq, qg, st, scale);
+    for (int64_t r = 0; r < plan.num_reqs; ++r) {
+      const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
+      if (lq == 0) continue;
+      const int64_t nb = g.blocks_for(seq);
+      auto q = query.narrow(0, q0, lq);
+      auto qg = group_query(q, g.num_kv_heads);
+      if (use_cuda_kernel(qg.size(1))) qg = qg.contiguous();  // the kernel reads rows by pointer
+      auto st = online_softmax_init(g.num_kv_heads, qg.size(1), d, device_);
+      if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
+        attend_selected(L, host, bt + r * width, nb, seq, r, q, qg, st, scale);
+      } else {
+        attend_exact(L, host, bt + r * width, nb, seq, lq, qg, st, scale);
+      }
+      out3.narrow(0, q0, lq).copy_(ungroup_output(online_softmax_finish(st), lq));
     }
-    out3.narrow(0, q0, lq).copy_(ungroup_output(online_softmax_finish(st), lq));
-  }
   }
   const int64_t admitted = telemetry_.get(Counter::kBlocksAdmitted) - admitted_before;
   telemetry_.observe_blocks_admitted(admitted);
