@@ -72,7 +72,15 @@ ODD_CELLS = [Cell(dtype, 40, 4, 8, context, streaming, 2, True, mode=mode)
 @pytest.mark.parametrize("cell", ODD_CELLS, ids=[c.id for c in ODD_CELLS])
 def test_native_kernel_off_the_vector_width_within_tolerance(cell: Cell) -> None:
     native, snap_n = run(cell, "native")
-    aten, snap_a = run(cell, "aten")
+    # The ATen side with one intra-op thread (tests/parity_cells.py says why): at this geometry, with two threads, its
+    # first forward came out 1e-4 away from its own usual result in about 1 process in 20 (the native side did not
+    # move), a BLAS split rather than the engine; one thread fixes its summation order.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        aten, snap_a = run(cell, "aten")
+    finally:
+        torch.set_num_threads(threads)
     assert snap_n == snap_a and len(native) == len(aten) > 0
     tol = TOLERANCE[cell.dtype]
     for i, (a, b) in enumerate(zip(native, aten)):
