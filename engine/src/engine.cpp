@@ -237,26 +237,23 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   L.last_selection.clear();
   auto out3 = output.view({output.size(0), h, d});
   const int64_t admitted_before = telemetry_.get(Counter::kBlocksAdmitted);
-  const int64_t budget_blocks = selection_.per_head();
+  auto rows = plan_rows(L, plan, query);
   if (use_native()) {
-    forward_native(L, host, plan, query, out3, scale);
-  } else {
-    for (int64_t r = 0; r < plan.num_reqs; ++r) {
-      const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
-      if (lq == 0) continue;
-      const int64_t nb = g.blocks_for(seq);
-      auto q = query.narrow(0, q0, lq);
-      auto qg = group_query(q, g.num_kv_heads);
-      if (use_cuda_kernel(qg.size(1))) qg = qg.contiguous();  // the kernel reads rows by pointer
-      auto st = online_softmax_init(g.num_kv_heads, qg.size(1), d, device_);
-      if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
-        attend_selected(L, host, bt + r * width, nb, seq, r, q, qg, st, scale);
-      } else {
-        attend_exact(L, host, bt + r * width, nb, seq, lq, qg, st, scale);
+    forward_native(L, host, rows, scale);
+  } else {  // one unit admitted and computed at a time
+    for (auto& w : rows) {
+      for (size_t u = 0; u < w.units.size(); ++u) {
+        TilePins pins{L, {}};
+        const auto slots = admit_unit(L, host, w.units[u], pins.slots);
+        if (w.sel.has_value()) {
+          attend_selected(L, w, slots, scale);
+        } else {
+          attend_tile(L, w, static_cast<int64_t>(u), slots, scale);
+        }
       }
-      out3.narrow(0, q0, lq).copy_(ungroup_output(online_softmax_finish(st), lq));
     }
   }
+  for (auto& w : rows) out3.narrow(0, w.q0, w.lq).copy_(ungroup_output(online_softmax_finish(w.st), w.lq));
   const int64_t admitted = telemetry_.get(Counter::kBlocksAdmitted) - admitted_before;
   telemetry_.observe_blocks_admitted(admitted);
   const auto us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
@@ -275,7 +272,41 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
 
 namespace activekv {
 
-void Engine::admit_and_copy(LayerState& L, const at::Tensor& host, TileAdmission& adm) {
+std::vector<Engine::RowWork> Engine::plan_rows(LayerState& L, const StepPlan& plan, const at::Tensor& query) {
+  const auto& g = geometry();
+  const int32_t* qsl = plan.query_start_loc.data_ptr<int32_t>();
+  const int32_t* sl = plan.seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = plan.block_table.data_ptr<int32_t>();
+  const int64_t width = plan.block_table.size(1), budget_blocks = selection_.per_head();
+  std::vector<RowWork> rows;
+  rows.reserve(plan.num_reqs);
+  for (int64_t r = 0; r < plan.num_reqs; ++r) {
+    const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
+    if (lq == 0) continue;
+    const int64_t nb = g.blocks_for(seq);
+    const int32_t* block_row = bt + r * width;
+    auto q = query.narrow(0, q0, lq);
+    RowWork& w = rows.emplace_back();
+    w.q0 = q0;
+    w.lq = lq;
+    w.seq = seq;
+    w.qg = group_query(q, g.num_kv_heads);
+    if (use_native() || use_cuda_kernel(w.qg.size(1))) w.qg = w.qg.contiguous();  // read by pointer
+    w.st = online_softmax_init(g.num_kv_heads, w.qg.size(1), g.head_size, device_);
+    if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
+      w.sel = select_row(L, block_row, nb, r, q);
+      w.units.push_back(w.sel->union_blocks);
+    } else {
+      w.units = exact_tiles(block_row, nb, g.tile_blocks);
+    }
+  }
+  return rows;
+}
+
+std::vector<int64_t> Engine::admit_unit(LayerState& L, const at::Tensor& host, const std::vector<int64_t>& blocks,
+                                        std::vector<int64_t>& pinned) {
+  auto adm = admit_tile(L, blocks, clock_);
+  pinned.insert(pinned.end(), adm.slots.begin(), adm.slots.end());
   if (!adm.miss_blocks.empty()) {
     int64_t bytes = 0;
     if (copy_stream_.has_value() && host.is_cpu()) {  // tiered
@@ -290,35 +321,27 @@ void Engine::admit_and_copy(LayerState& L, const at::Tensor& host, TileAdmission
   }
   telemetry_.add(Counter::kBlocksHit, adm.hits);
   telemetry_.add(Counter::kBlocksEvicted, adm.evicted);
+  return std::move(adm.slots);
 }
 
-void Engine::attend_exact(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
-                          int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
-  const int64_t bs = geometry().block_size, tb = geometry().tile_blocks;
-  const auto tiles = exact_tiles(row, nb, tb);
-  for (size_t ti = 0; ti < tiles.size(); ++ti) {
-    const auto& blocks = tiles[ti];
-    auto adm = admit_tile(L, blocks, clock_);
-    TilePins pins{L, adm.slots};
-    admit_and_copy(L, host, adm);
-    const int64_t n = static_cast<int64_t>(blocks.size());
-    if (use_cuda_kernel(qg.size(1))) {  // the CPU kernel runs in forward_native
-      const int64_t kvh = geometry().num_kv_heads;
-      std::vector<int64_t> slots(kvh * n), pos(kvh * n);
-      for (int64_t hh = 0; hh < kvh; ++hh) {
-        for (int64_t j = 0; j < n; ++j) {
-          slots[hh * n + j] = adm.slots[j];
-          pos[hh * n + j] = static_cast<int64_t>(ti) * tb + j;
-        }
+void Engine::attend_tile(LayerState& L, RowWork& w, int64_t tile, const std::vector<int64_t>& slots, double scale) {
+  const int64_t bs = geometry().block_size, tb = geometry().tile_blocks, n = static_cast<int64_t>(slots.size());
+  if (use_cuda_kernel(w.qg.size(1))) {  // the CPU kernel runs in forward_native
+    const int64_t kvh = geometry().num_kv_heads;
+    std::vector<int64_t> head_slots(kvh * n), pos(kvh * n);
+    for (int64_t hh = 0; hh < kvh; ++hh) {
+      for (int64_t j = 0; j < n; ++j) {
+        head_slots[hh * n + j] = slots[j];
+        pos[hh * n + j] = tile * tb + j;
       }
-      cuda_tile(L, slots, pos, n, seq - lq, lq, qg, st, scale);
-    } else {
-      auto tile = gather_tile(L.pool, index_tensor(adm.slots, device_));  // [KVH, 2, n, bs, D]
-      auto mask = tile_mask(seq - lq, lq, static_cast<int64_t>(ti) * tb * bs, n * bs, device_);
-      online_softmax_tile(st, qg, tile, mask, scale);
     }
-    telemetry_.add(Counter::kTilesComputed);
+    cuda_tile(L, head_slots, pos, n, w.seq - w.lq, w.lq, w.qg, w.st, scale);
+  } else {
+    auto gathered = gather_tile(L.pool, index_tensor(slots, device_));  // [KVH, 2, n, bs, D]
+    auto mask = tile_mask(w.seq - w.lq, w.lq, tile * tb * bs, n * bs, device_);
+    online_softmax_tile(w.st, w.qg, gathered, mask, scale);
   }
+  telemetry_.add(Counter::kTilesComputed);
 }
 
 Engine::RowSelection Engine::select_row(LayerState& L, const int32_t* row, int64_t nb, int64_t r,
@@ -354,17 +377,15 @@ std::vector<int64_t> Engine::RowSelection::head_slots(const std::vector<int64_t>
   return out;
 }
 
-void Engine::attend_selected(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
-                             int64_t r, const at::Tensor& q, const at::Tensor& qg, OnlineSoftmax& st, double scale) {
+void Engine::attend_selected(LayerState& L, RowWork& w, const std::vector<int64_t>& union_slots, double scale) {
   const auto& g = geometry();
   const int64_t kvh = g.num_kv_heads, bs = g.block_size, tb = g.tile_blocks, m = selection_.per_head();
-  const auto sel = select_row(L, row, nb, r, q);
-  const auto& pos = sel.pos;
-  const int64_t* pp = sel.pos_cpu.data_ptr<int64_t>();
-  auto adm = admit_tile(L, sel.union_blocks, clock_);
-  TilePins pins{L, adm.slots};
-  admit_and_copy(L, host, adm);
-  const auto head_slots = sel.head_slots(adm.slots, kvh);
+  const int64_t seq = w.seq;
+  const auto& qg = w.qg;
+  auto& st = w.st;
+  const auto& pos = w.sel->pos;
+  const int64_t* pp = w.sel->pos_cpu.data_ptr<int64_t>();
+  const auto head_slots = w.sel->head_slots(union_slots, kvh);
   if (use_cuda_kernel(qg.size(1))) {
     // Tiles of tile_blocks per head, as the ATen path below (same tile count in telemetry).
     for (int64_t t = 0; t < m; t += tb) {
@@ -428,30 +449,28 @@ void Engine::cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const s
 
 // The CPU kernel's forward: one parallel region per round over the whole batch, not one per request row.
 //
-// Admission units in request order (exact rows: their tiles; compressed decode rows: the union of their selection)
-// are admitted while each fits beside those held, as attend_exact / attend_selected admit them one at a time: a held
-// unit's slots are the newest in LRU order, so no unit that fits would have evicted them, and pins are released in
-// admission order, so the slots, hits, evictions, LRU order and telemetry are those of one unit at a time (checked
-// against the ATen path on the parity cells). When the next unit does not fit, or after the last one, the kernel runs
-// over every (request row, KV head) with blocks in the round: tasks split over ATen's intra-op threads, each task's
-// blocks attended in order by one thread, in tiles of tile_blocks (the kernel's online-softmax merge unit; rounds
-// hold whole tiles, so a row's arithmetic does not depend on the rounds, the pool size or the thread count).
-void Engine::forward_native(LayerState& L, const at::Tensor& host, const StepPlan& plan, const at::Tensor& query,
-                            const at::Tensor& out3, double scale) {
+// The rows' admission units, in request order (plan_rows), are admitted while each fits beside those held, as the
+// ATen / CUDA paths admit them one at a time: a held unit's slots are the newest in LRU order, so no unit that fits
+// would have evicted them, and pins are released in admission order, so the slots, hits, evictions, LRU order and
+// telemetry are those of one unit at a time (checked against the ATen path on the parity cells). When the next unit
+// does not fit, or after the last one, the kernel runs over every (request row, KV head) with blocks in the round:
+// tasks split over ATen's intra-op threads, each task's blocks attended in order by one thread, in tiles of
+// tile_blocks (the kernel's online-softmax merge unit; rounds hold whole tiles, so a row's arithmetic does not depend
+// on the rounds, the pool size or the thread count).
+void Engine::forward_native(LayerState& L, const at::Tensor& host, std::vector<RowWork>& rows, double scale) {
   const auto& g = geometry();
   const int64_t kvh = g.num_kv_heads, d = g.head_size, bs = g.block_size, tb = g.tile_blocks;
-  const int32_t* qsl = plan.query_start_loc.data_ptr<int32_t>();
-  const int32_t* sl = plan.seq_lens.data_ptr<int32_t>();
-  const int32_t* bt = plan.block_table.data_ptr<int32_t>();
-  const int64_t width = plan.block_table.size(1), pool = static_cast<int64_t>(L.block_of_slot.size());
-  struct Row {
-    int64_t q0, lq, first_query_pos;
-    at::Tensor qg;  // [KVH, rows, D] float32, contiguous
-    OnlineSoftmax st;
-    std::vector<std::vector<int64_t>> slots, pos;  // per KV head: this round's blocks (pool slot, row position)
+  const int64_t pool = static_cast<int64_t>(L.block_of_slot.size());
+  // A row's blocks in the current round: pool slots and row positions of head hh at [hh * head_stride, + count).
+  // Every head of an exact row reads the same blocks (head_stride 0); a compressed row's heads read m each.
+  struct Round {
+    std::vector<int64_t> slots, pos;
+    int64_t head_stride = 0;
+    at::Tensor q_bf16;  // [KVH, rows, D] the query rounded to bfloat16 (bfloat16 KV): exact, it was widened from it
   };
-  std::vector<Row> rows;
-  rows.reserve(plan.num_reqs);
+  std::vector<Round> round(rows.size());
+  if (g.dtype == at::kBFloat16)
+    for (size_t i = 0; i < rows.size(); ++i) round[i].q_bf16 = rows[i].qg.to(at::kBFloat16).contiguous();
   TilePins pins{L, {}};  // the round's slots in admission order
   int64_t round_tiles = 0;
   const auto* pool_bytes = static_cast<const char*>(L.pool.data_ptr());
@@ -462,15 +481,12 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, const StepPla
     // tile by tile (a tile's slots hold every head's K and V side by side: [P, KVH, 2, bs, D]), so the pool is read
     // close to its address order; with fewer rows each task is one (row, KV head), so the heads keep every thread busy.
     int64_t round_rows = 0;
-    for (const auto& row : rows) round_rows += row.slots[0].empty() && row.slots[kvh - 1].empty() ? 0 : 1;
+    for (const auto& rr : round) round_rows += rr.slots.empty() ? 0 : 1;
     const int64_t per_task = round_rows >= 2 * at::get_num_threads() ? kvh : 1;
-    std::vector<std::pair<Row*, int64_t>> tasks;  // (row, first head)
-    for (auto& row : rows)
-      for (int64_t h0 = 0; h0 < kvh; h0 += per_task) {
-        bool any = false;
-        for (int64_t hh = h0; hh < h0 + per_task; ++hh) any = any || !row.slots[hh].empty();
-        if (any) tasks.emplace_back(&row, h0);
-      }
+    std::vector<std::pair<size_t, int64_t>> tasks;  // (row, first head)
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (!round[i].slots.empty())
+        for (int64_t h0 = 0; h0 < kvh; h0 += per_task) tasks.emplace_back(i, h0);
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<const void*> ptrs;
       AttendArgs a;
@@ -480,26 +496,25 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, const StepPla
       a.scale = scale;
       a.chunk_blocks = tb;
       for (int64_t t = begin; t < end; ++t) {
-        Row& row = *tasks[t].first;
+        RowWork& row = rows[tasks[t].first];
+        const Round& rr = round[tasks[t].first];
         const int64_t h0 = tasks[t].second, nrows = row.qg.size(1);
+        const int64_t count = rr.head_stride > 0 ? rr.head_stride : static_cast<int64_t>(rr.slots.size());
         a.rows = nrows;
         a.num_q = row.lq;
-        a.first_query_pos = row.first_query_pos;
-        int64_t longest = 0;
-        for (int64_t hh = h0; hh < h0 + per_task; ++hh)
-          longest = std::max(longest, static_cast<int64_t>(row.slots[hh].size()));
+        a.first_query_pos = row.seq - row.lq;
         // Tile after tile, head after head: each (row, head) still sees its blocks in order, in tiles of tb.
-        for (int64_t j = 0; j < longest; j += tb) {
+        for (int64_t j = 0; j < count; j += tb) {
+          const int64_t n = std::min(tb, count - j);
           for (int64_t hh = h0; hh < h0 + per_task; ++hh) {
-            const auto& slots = row.slots[hh];
-            const int64_t n = std::min<int64_t>(tb, static_cast<int64_t>(slots.size()) - j);
-            if (n <= 0) continue;
+            const int64_t* slots = rr.slots.data() + hh * rr.head_stride + j;
             ptrs.resize(n);
-            for (int64_t i = 0; i < n; ++i) ptrs[i] = pool_bytes + (slots[j + i] * kvh + hh) * run_bytes;
+            for (int64_t i = 0; i < n; ++i) ptrs[i] = pool_bytes + (slots[i] * kvh + hh) * run_bytes;
             a.q = row.qg.data_ptr<float>() + hh * nrows * d;
+            a.q_bf16 = rr.q_bf16.defined() ? rr.q_bf16.data_ptr<at::BFloat16>() + hh * nrows * d : nullptr;
             a.num_blocks = n;
             a.kv = ptrs.data();
-            a.block_pos = row.pos[hh].data() + j;
+            a.block_pos = rr.pos.data() + hh * rr.head_stride + j;
             a.m = row.st.m.data_ptr<float>() + hh * nrows;
             a.l = row.st.l.data_ptr<float>() + hh * nrows;
             a.acc = row.st.acc.data_ptr<float>() + hh * nrows * d;
@@ -508,67 +523,40 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, const StepPla
         }
       }
     });
-    for (auto& row : rows)
-      for (int64_t hh = 0; hh < kvh; ++hh) {
-        row.slots[hh].clear();
-        row.pos[hh].clear();
-      }
+    for (auto& rr : round) {
+      rr.slots.clear();
+      rr.pos.clear();
+    }
     release_tile(L, pins.slots);
     pins.slots.clear();
     telemetry_.add(Counter::kTilesComputed, round_tiles);
     round_tiles = 0;
   };
-  // Admit one unit, running the round first when the unit does not fit beside the held ones.
-  auto admit = [&](const std::vector<int64_t>& blocks) {
-    if (!pins.slots.empty() && static_cast<int64_t>(blocks.size()) > pool - L.pinned_slots) run_round();
-    auto adm = admit_tile(L, blocks, clock_);
-    pins.slots.insert(pins.slots.end(), adm.slots.begin(), adm.slots.end());
-    admit_and_copy(L, host, adm);
-    return adm.slots;
-  };
 
-  const int64_t budget_blocks = selection_.per_head();
-  for (int64_t r = 0; r < plan.num_reqs; ++r) {
-    const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
-    if (lq == 0) continue;
-    const int64_t nb = g.blocks_for(seq);
-    const int32_t* block_row = bt + r * width;
-    auto q = query.narrow(0, q0, lq);
-    Row& row = rows.emplace_back();
-    row.q0 = q0;
-    row.lq = lq;
-    row.first_query_pos = seq - lq;
-    row.qg = group_query(q, kvh).contiguous();
-    row.st = online_softmax_init(kvh, row.qg.size(1), d, device_);
-    row.slots.assign(kvh, {});
-    row.pos.assign(kvh, {});
-    if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
-      const auto sel = select_row(L, block_row, nb, r, q);
-      const auto union_slots = admit(sel.union_blocks);
-      const auto head_slots = sel.head_slots(union_slots, kvh);
-      const int64_t m = budget_blocks;
-      const int64_t* pp = sel.pos_cpu.data_ptr<int64_t>();
-      for (int64_t hh = 0; hh < kvh; ++hh) {
-        row.slots[hh].assign(head_slots.begin() + hh * m, head_slots.begin() + (hh + 1) * m);
-        row.pos[hh].assign(pp + hh * m, pp + (hh + 1) * m);
-      }
-      round_tiles += (m + tb - 1) / tb;  // counted as the tiles of tile_blocks the other paths compute
-    } else {
-      const auto tiles = exact_tiles(block_row, nb, tb);
-      for (size_t ti = 0; ti < tiles.size(); ++ti) {
-        const auto slots = admit(tiles[ti]);
-        for (int64_t hh = 0; hh < kvh; ++hh) {
-          row.slots[hh].insert(row.slots[hh].end(), slots.begin(), slots.end());
-          for (size_t j = 0; j < slots.size(); ++j)
-            row.pos[hh].push_back(static_cast<int64_t>(ti) * tb + static_cast<int64_t>(j));
-        }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    RowWork& w = rows[i];
+    Round& rr = round[i];
+    for (size_t u = 0; u < w.units.size(); ++u) {
+      const auto& blocks = w.units[u];
+      // Run the round first when the unit does not fit beside the held ones.
+      if (!pins.slots.empty() && static_cast<int64_t>(blocks.size()) > pool - L.pinned_slots) run_round();
+      const auto slots = admit_unit(L, host, blocks, pins.slots);
+      if (w.sel.has_value()) {
+        const int64_t m = selection_.per_head();
+        const int64_t* pp = w.sel->pos_cpu.data_ptr<int64_t>();
+        rr.slots = w.sel->head_slots(slots, kvh);
+        rr.pos.assign(pp, pp + kvh * m);
+        rr.head_stride = m;
+        round_tiles += (m + tb - 1) / tb;  // counted as the tiles of tile_blocks the other paths compute
+      } else {
+        rr.slots.insert(rr.slots.end(), slots.begin(), slots.end());
+        for (size_t j = 0; j < slots.size(); ++j)
+          rr.pos.push_back(static_cast<int64_t>(u) * tb + static_cast<int64_t>(j));
         ++round_tiles;
       }
     }
   }
   if (!pins.slots.empty()) run_round();
-  for (auto& row : rows)
-    out3.narrow(0, row.q0, row.lq).copy_(ungroup_output(online_softmax_finish(row.st), row.lq));
 }
 
 }  // namespace activekv

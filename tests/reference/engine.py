@@ -337,6 +337,7 @@ class RefEngine:
             out3.narrow(0, q0, lq).copy_(ungroup_output(torch.div(st[2], st[1]), lq))
 
     def _admit_and_copy(self, lay: RefLayer, host: torch.Tensor, blocks: list[int]) -> list[int]:
+        """engine.cpp admit_unit."""
         slots, miss_b, miss_s, hits, evicted = self._admit(lay, blocks)
         if miss_b:
             # transfer.cpp copy_blocks: one gather, one scatter.
@@ -351,7 +352,7 @@ class RefEngine:
 
     def _attend_exact(self, lay: RefLayer, host: torch.Tensor, row: list[int], seq: int, lq: int,
                       qg: torch.Tensor, st: list[torch.Tensor], scale: float) -> None:
-        """engine.cpp attend_exact."""
+        """engine.cpp forward's ATen path over an exact row's tiles (plan_rows, admit_unit, attend_tile)."""
         tb, bs = self.tile_blocks, self.block_size
         for ti, start in enumerate(range(0, len(row), tb)):
             blocks = row[start:start + tb]
@@ -366,7 +367,7 @@ class RefEngine:
 
     def _attend_selected(self, layer: int, lay: RefLayer, host: torch.Tensor, row: list[int], seq: int, r: int,
                          q: torch.Tensor, qg: torch.Tensor, st: list[torch.Tensor], scale: float) -> None:
-        """engine.cpp attend_selected."""
+        """engine.cpp select_row (called by plan_rows), admit_unit and attend_selected."""
         kvh, bs, tb, d = self.num_kv_heads, self.block_size, self.tile_blocks, self.head_size
         m = self.sink_blocks + self.top_k + self.recent_blocks
         nb = len(row)

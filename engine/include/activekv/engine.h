@@ -119,11 +119,6 @@ class Engine {
 
  private:
   void check_layer(int64_t layer) const;
-  void attend_exact(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq, int64_t lq,
-                    const at::Tensor& qg, OnlineSoftmax& st, double scale);
-  void attend_selected(LayerState& L, const at::Tensor& host, const int32_t* row, int64_t nb, int64_t seq,
-                       int64_t r, const at::Tensor& q, const at::Tensor& qg, OnlineSoftmax& st, double scale);
-  void admit_and_copy(LayerState& L, const at::Tensor& host, TileAdmission& adm);
   /// Compressed mode's selection of one decode row: [KVH, m] block positions (on the engine's device and on CPU),
   /// the union of the heads' blocks in position order; records the row's selection and the compressed counters.
   struct RowSelection {
@@ -133,10 +128,27 @@ class Engine {
     std::vector<int64_t> head_slots(const std::vector<int64_t>& union_slots, int64_t kvh) const;
   };
   RowSelection select_row(LayerState& L, const int32_t* row, int64_t nb, int64_t r, const at::Tensor& q);
+  /// A request row of a forward that has query tokens, planned once for every kernel path (plan_rows): its query per
+  /// KV head, its online-softmax state and its admission units in the order they are admitted (an exact row: its
+  /// tiles of tile_blocks blocks; a compressed decode row: one unit, the union of its heads' selections).
+  struct RowWork {
+    int64_t q0 = 0, lq = 0, seq = 0;
+    at::Tensor qg;  ///< [KVH, G * lq, D] float32 from group_query (contiguous where a kernel reads it by pointer)
+    OnlineSoftmax st;
+    std::optional<RowSelection> sel;          ///< compressed decode rows only
+    std::vector<std::vector<int64_t>> units;  ///< block ids of each admission unit
+  };
+  std::vector<RowWork> plan_rows(LayerState& L, const StepPlan& plan, const at::Tensor& query);
+  /// Admit one unit's blocks: admit_tile, the slots appended to `pinned` (the caller's pins, released even if the copy
+  /// throws), the missing blocks copied from the host tier, the admission counters added. @return the unit's slots
+  std::vector<int64_t> admit_unit(LayerState& L, const at::Tensor& host, const std::vector<int64_t>& blocks,
+                                  std::vector<int64_t>& pinned);
+  /// The ATen / CUDA paths' compute of one admitted unit: exact tile `tile` of the row, or the row's selection.
+  void attend_tile(LayerState& L, RowWork& w, int64_t tile, const std::vector<int64_t>& slots, double scale);
+  void attend_selected(LayerState& L, RowWork& w, const std::vector<int64_t>& union_slots, double scale);
   /// Every row of a forward with the CPU kernel (engine.cpp): admission units in request order while they fit the
   /// pool together, one kernel call (one parallel region) per round over all (row, KV head) tasks.
-  void forward_native(LayerState& L, const at::Tensor& host, const StepPlan& plan, const at::Tensor& query,
-                      const at::Tensor& out3, double scale);
+  void forward_native(LayerState& L, const at::Tensor& host, std::vector<RowWork>& rows, double scale);
   /// The CUDA kernel (cuda_kernel.h) for a tile: slots[h * n + j] is the pool slot of head h's j-th block, at row
   /// position pos[h * n + j].
   void cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,

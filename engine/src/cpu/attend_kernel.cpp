@@ -262,16 +262,11 @@ void attend(const AttendArgs& a) {
   const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
   thread_local std::vector<float> s;
   thread_local std::vector<int64_t> valid;
-  thread_local std::vector<at::BFloat16> q_bf16;
   s.resize(kRowBlock * cmax * bs);
   valid.resize(kRowBlock * cmax);
   const at::BFloat16* qb = nullptr;
 #if defined(CPU_CAPABILITY_AVX512)
-  if (std::is_same_v<T, at::BFloat16> && has_bf16_dot() && d % 16 == 0) {  // its tail handles 16 values
-    q_bf16.resize(a.rows * d);
-    for (int64_t i = 0; i < a.rows * d; ++i) q_bf16[i] = at::BFloat16(a.q[i]);  // exact: widened from bfloat16
-    qb = q_bf16.data();
-  }
+  if (std::is_same_v<T, at::BFloat16> && has_bf16_dot() && d % 16 == 0) qb = a.q_bf16;  // its tail handles 16 values
 #endif
   for (int64_t c0 = 0; c0 < a.num_blocks; c0 += cmax) {
     const int64_t cb = std::min(cmax, a.num_blocks - c0);
