@@ -27,7 +27,7 @@ import torch  # noqa: F401  (the native modules use torch's types: torch first)
 
 from activekv import _backend
 from tests import vllm_tree
-from tools.vllm_patch import DEFAULT_PATCHES, Series
+from tools.vllm_patch import DEFAULT_PATCHES, Series, verified_marker
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = Path(sys.executable).parent / "activekv"
@@ -37,6 +37,7 @@ NAMES = [p.name for p in SERIES.patches]
 VENV_SITE = Path(importlib.util.find_spec("vllm").origin).parents[1]
 INSTALLED_SERIES = Path(_backend.__file__).parent / "patches" / "vllm" / "v0.32.0"
 MODULE = "vllm/v1/attention/backends/activekv.py"
+VERIFIED = "ACTIVEKV_PATCH_VERIFIED"  # what `activekv serve` exports after its own check passed
 STAT_LOGGER = "vllm/v1/metrics/activekv.py"  # the other file the series adds (0004)
 # One line of 0002's new module, and how another release's series could have it.
 MODULE_LINE = "# ActiveKV attention backend for vLLM 0.32.0 on CPU (added by ActiveKV's patch series)."
@@ -258,7 +259,7 @@ for make in (lambda: _backend.Impl(4, 32, 0.1, 2), lambda: _backend.Builder(spec
 
 
 def start_up(site: Path, **extra: str) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k != "ACTIVEKV_SKIP_PATCH_CHECK"}
+    env = {k: v for k, v in os.environ.items() if k not in ("ACTIVEKV_SKIP_PATCH_CHECK", VERIFIED)}
     env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO), **extra)
     done = subprocess.run([sys.executable, "-c", STARTUP, str(site)], capture_output=True, text=True, timeout=300,
                           env=env)
@@ -305,6 +306,96 @@ def test_startup_escape_hatch_and_a_check_that_cannot_run(tmp_path: Path) -> Non
     assert lines[0].endswith(". Set ACTIVEKV_SKIP_PATCH_CHECK=1 to start without this check (where it cannot run, "
                              "e.g. without git) only if the vLLM there carries this ActiveKV's series"), lines[0]
     assert start_up(site, PATH=str(no_git), ACTIVEKV_SKIP_PATCH_CHECK="1") == ["started"] * 3
+
+
+# ------------------------------------------------ one check per tree: the launcher's ACTIVEKV_PATCH_VERIFIED
+# The value is the one the launcher exports (tests/test_launcher.py compares the launcher's with verified_marker);
+# "without git" is PATH without git, so a start-up that passes there ran no git.
+
+
+def no_git_path(tmp_path: Path) -> str:
+    no_git = tmp_path / "no-git-bin"
+    no_git.mkdir(exist_ok=True)
+    return str(no_git)
+
+
+CANNOT_RUN_GIT = "RuntimeError: cannot check that ActiveKV's patch series is applied to the vLLM this process imported"
+
+
+def test_a_marker_for_the_imported_tree_and_installed_series_starts_without_git(tmp_path: Path) -> None:
+    site = linked_vllm(tmp_path / "site")
+    marker = verified_marker(site, Series.load(INSTALLED_SERIES))
+    assert start_up(site, PATH=no_git_path(tmp_path), **{VERIFIED: marker}) == ["started"] * 3
+    # The same process without the marker has to run git, and cannot.
+    lines = start_up(site, PATH=no_git_path(tmp_path))
+    assert len(lines) == 3 and lines[0].startswith(CANNOT_RUN_GIT) and "cannot run git" in lines[0], lines
+    # With git the marker changes nothing; "" is no marker (as for ACTIVEKV_SKIP_PATCH_CHECK), so git runs and passes.
+    assert start_up(site, **{VERIFIED: marker}) == ["started"] * 3
+    assert start_up(site, **{VERIFIED: ""}) == ["started"] * 3
+
+
+def test_a_marker_for_another_tree_or_series_does_not_spare_the_check(tmp_path: Path) -> None:
+    """A twin tree with the same files, and a copy of the same series elsewhere, give the same file state but name
+    another place: without git the check runs and cannot, and says which field differed."""
+    site = linked_vllm(tmp_path / "site")
+    series = Series.load(INSTALLED_SERIES)
+    twin = linked_vllm(tmp_path / "twin")
+    copy = Series.load(shutil.copytree(INSTALLED_SERIES, tmp_path / "series-copy"))
+    marker = verified_marker(site, series)
+    assert verified_marker(twin, series).split(";")[2] == marker.split(";")[2]  # state=: equal files, equal digest
+    cases = {
+        verified_marker(twin, series): f"it names another vLLM tree ({twin.resolve()}, not {site.resolve()})",
+        verified_marker(site, copy): (f"it names another patch series ({copy.directory}, not "
+                                      f"{INSTALLED_SERIES.resolve()})"),
+        marker.replace("vllm=0.32.0", "vllm=0.33.0"): ("it names the check of the ActiveKV release for vLLM 0.33.0 "
+                                                     "(this one is for vLLM 0.32.0)"),
+    }
+    for value, why in cases.items():
+        lines = start_up(site, PATH=no_git_path(tmp_path), **{VERIFIED: value})
+        assert len(lines) == 3 and len(set(lines)) == 1, lines
+        assert lines[0].startswith(CANNOT_RUN_GIT) and "cannot run git" in lines[0], lines[0]
+        assert lines[0].endswith(f" ({VERIFIED} did not spare this check: {why})"), lines[0]
+
+
+def test_a_marker_from_before_the_files_changed_does_not_spare_the_check(tmp_path: Path) -> None:
+    """The tree changed after the launcher's check (another release's 0002 module): the marker names the old file
+    state, so the check runs and fails on its merits; a marker for another series runs it and passes on its merits."""
+    site = linked_vllm(tmp_path / "site")
+    series = Series.load(INSTALLED_SERIES)
+    before = verified_marker(site, series)
+    other = Series.load(other_series(tmp_path / "other-series"))
+    assert start_up(site, **{VERIFIED: verified_marker(site, other)}) == ["started"] * 3
+    module = site / MODULE
+    module.write_text(module.read_text().replace(MODULE_LINE, OTHER_LINE))
+    after = verified_marker(site, series)
+    assert after != before
+    lines = start_up(site, **{VERIFIED: before})
+    assert len(lines) == 3 and len(set(lines)) == 1, lines
+    assert lines[0].startswith("RuntimeError: the ACTIVEKV attention backend cannot run on the vLLM this process "
+                               "imported: the ActiveKV patch series is partially applied"), lines[0]
+    old_state, new_state = before.split(";")[2][6:], after.split(";")[2][6:]
+    assert lines[0].endswith(f"restart this process. ({VERIFIED} did not spare this check: it names this tree and "
+                             f"series with other files ({old_state}, now {new_state}): they changed since that "
+                             "check)"), lines[0]
+
+
+@pytest.mark.parametrize("value, why", [
+    ("1", "1 ';'-separated fields, expected 5"),
+    ("v2;vllm=0.32.0;state=fnv1a64:0123456789abcdef;tree=/a;series=/b", "the first field is 'v2', expected 'v1'"),
+    ("v1;vllm=0.32.0;state=sha256:0123456789abcdef;tree=/a;series=/b",
+     "state= is not fnv1a64: and 16 lowercase hex digits"),
+    ("v1;vllm=0.32.0;state=fnv1a64:0123456789abcdef;tree=site;series=/b", "tree= is not an absolute path"),
+])
+def test_a_malformed_marker_is_refused_and_the_escape_hatch_still_wins(value: str, why: str) -> None:
+    site = VENV_SITE
+    assert start_up(site, **{VERIFIED: value}) == [
+        f"RuntimeError: {VERIFIED} must be the value `activekv serve` exports after its patch series check "
+        "(v1;vllm=VERSION;state=fnv1a64:<16 hex digits>;tree=DIR;series=DIR, absolute paths), "
+        f"got '{value}' ({why}); unset it and the check runs here"] * 3
+    if value == "1":  # ACTIVEKV_SKIP_PATCH_CHECK keeps its meaning whatever the marker says
+        assert start_up(site, ACTIVEKV_SKIP_PATCH_CHECK="1", **{VERIFIED: value}) == ["started"] * 3
+        assert start_up(site, ACTIVEKV_SKIP_PATCH_CHECK="yes", **{VERIFIED: value})[0].startswith(
+            "RuntimeError: ACTIVEKV_SKIP_PATCH_CHECK must be 1")
 
 
 def test_startup_without_vllm_imported_checks_nothing() -> None:

@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests import vllm_tree  # noqa: E402
-from tools.vllm_patch import DEFAULT_PATCHES, Series  # noqa: E402
+from tools.vllm_patch import DEFAULT_PATCHES, Series, verified_marker  # noqa: E402
 
 LAUNCHER = Path(sys.executable).parent / "activekv"
 SERIES = Series.load(DEFAULT_PATCHES)
@@ -411,6 +411,143 @@ def test_serve_passes_the_check_when_patched_or_another_backend_is_chosen(env_wi
                           timeout=120)
     assert done.returncode == 1 and "cannot run" not in done.stderr, done.stderr
     assert "no python interpreter next to this launcher" in done.stderr
+
+
+# ---------------------------------------------------- serve: the check's verdict for vLLM's processes (one check)
+
+VERIFIED = "ACTIVEKV_PATCH_VERIFIED"
+# Stand-ins for vLLM's package and CLI in the environment below: main() prints what vLLM's processes would inherit and,
+# asked to, starts two "workers" (new interpreters, as vLLM's are, with the environment inherited, with and without the
+# marker, git no longer on PATH) that build an ActiveKV Impl: the backend's start-up check.
+STUB_INIT = "# vllm stand-in: imports nothing (the check reads only vllm/_version.py and the series' files)\n"
+STUB_MAIN = '''
+import os, subprocess, sys
+
+WORKER = """
+import os, sys
+sys.path.append(os.environ["STUB_TORCH_SITE"])
+import torch, vllm
+from activekv import _backend
+assert vllm.__file__ == os.environ["STUB_VLLM"], vllm.__file__
+try:
+    _backend.Impl(4, 32, 0.1, 2)
+    print("started")
+except RuntimeError as e:
+    print("RuntimeError:", e)
+"""
+
+
+def main():
+    print("marker:", os.environ.get("ACTIVEKV_PATCH_VERIFIED"))
+    if "STUB_NO_GIT" in os.environ:
+        for keep in (True, False):
+            env = {k: v for k, v in os.environ.items() if keep or k != "ACTIVEKV_PATCH_VERIFIED"}
+            env["PATH"] = env["STUB_NO_GIT"]
+            done = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True, text=True)
+            print("worker:", done.stdout.strip() or done.stderr.strip()[-2000:])
+'''
+
+
+@pytest.fixture
+def serving_env(tmp_path: Path):
+    """A venv layout around a copy of the launcher that `serve` runs to the end: bin/python3.X (this interpreter),
+    pyvenv.cfg, and a site-packages with a vLLM 0.32.0 tree (patched by the launcher unless told not to) whose package
+    and CLI are the stand-ins above, and activekv, a link to the venv's (the built modules and the installed series).
+    Returns (launcher, site-packages)."""
+    def make(apply: bool = True, name: str = "env") -> tuple[Path, Path]:
+        prefix = tmp_path / name
+        site = prefix / "lib" / f"python{PY_MINOR}" / "site-packages"
+        vllm_tree.copy_as_installed(site)
+        (site / "activekv").symlink_to(LAUNCHER.parents[1] / site.relative_to(prefix) / "activekv")
+        (prefix / "bin").mkdir()
+        shutil.copy2(LAUNCHER, prefix / "bin" / "activekv")
+        (prefix / "bin" / f"python{PY_MINOR}").symlink_to(sys.executable)
+        shutil.copy2(LAUNCHER.parents[1] / "pyvenv.cfg", prefix / "pyvenv.cfg")
+        if apply:
+            done = subprocess.run([str(prefix / "bin" / "activekv"), "patch", "apply"], capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+        (site / "vllm" / "__init__.py").write_text(STUB_INIT)
+        (site / "vllm" / "entrypoints" / "cli" / "main.py").write_text(STUB_MAIN)
+        return prefix / "bin" / "activekv", site
+    return make
+
+
+def serve(launcher: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k != VERIFIED}
+    return subprocess.run([str(launcher), *args], capture_output=True, text=True, timeout=300, env={**base, **env})
+
+
+def installed_series(site: Path) -> Series:
+    return Series.load(site / "activekv" / "patches" / "vllm" / "v0.32.0")
+
+
+def test_serve_exports_the_tree_series_and_state_its_check_passed(serving_env) -> None:
+    """After a passed check `serve` and `run-batch` hand vLLM's processes ACTIVEKV_PATCH_VERIFIED naming the tree,
+    the series (real paths) and their files' state as checked: the value tools.vllm_patch.verified_marker computes.
+    An inherited value never passes through."""
+    launcher, site = serving_env()
+    series = installed_series(site)
+    assert series.directory == (LAUNCHER.parents[1] / site.relative_to(site.parents[2]) / "activekv" / "patches" /
+                                "vllm" / "v0.32.0").resolve()  # the venv's, through the link
+    expected = verified_marker(site, series)
+    assert expected.endswith(f";tree={site.resolve()};series={series.directory}"), expected
+    for args in (["serve", "/no/model"], ["run-batch", "-i", "x", "-o", "y"],
+                 ["serve", "/no/model", "--attention-backend=ACTIVEKV"]):
+        done = serve(launcher, *args, **{VERIFIED: "v1;inherited"})
+        assert (done.returncode, done.stdout) == (0, f"marker: {expected}\n"), (args, done.stderr)
+
+
+def test_serve_exports_nothing_without_a_passed_check(serving_env) -> None:
+    """No check, no marker: another backend chosen, or help; an inherited value (even the right one for this tree) is
+    dropped. A failed check stops the launcher before Python starts, whatever value it inherited."""
+    launcher, site = serving_env()
+    right = verified_marker(site, installed_series(site))
+    for args in (["serve", "/no/model", "--attention-backend", "CPU_ATTN"], ["serve", "--help"]):
+        done = serve(launcher, *args, **{VERIFIED: right})
+        assert (done.returncode, done.stdout) == (0, "marker: None\n"), (args, done.stderr)
+    # The tree changed after the apply (another release's 0002 module): the check fails, Python never starts.
+    module = site / "vllm" / "v1" / "attention" / "backends" / "activekv.py"
+    text = module.read_text()
+    assert "(added by ActiveKV's patch series)" in text
+    module.write_text(text.replace("(added by ActiveKV's patch series)", "(another ActiveKV release's series)"))
+    done = serve(launcher, "serve", "/no/model", **{VERIFIED: right})
+    assert done.returncode == 1 and done.stdout == "", done.stdout
+    assert done.stderr.startswith("activekv: error: the ACTIVEKV attention backend cannot run: the ActiveKV patch "
+                                  "series is partially applied"), done.stderr
+
+
+def test_serve_exports_nothing_for_a_path_the_value_cannot_hold(serving_env) -> None:
+    """A ';' in the tree's path (the value's separator): the check passes and no value is exported, so each of vLLM's
+    processes checks for itself."""
+    launcher, site = serving_env(name="e;nv")
+    done = serve(launcher, "serve", "/no/model")
+    assert (done.returncode, done.stdout) == (0, "marker: None\n"), done.stderr
+
+
+def test_serve_on_an_unpatched_vllm_exports_nothing(serving_env) -> None:
+    launcher, _ = serving_env(apply=False)
+    done = serve(launcher, "serve", "/no/model")
+    assert done.returncode == 1 and done.stdout == "", done.stdout
+    assert "series is not applied" in done.stderr, done.stderr
+
+
+def test_a_worker_of_serve_starts_without_git_on_the_launchers_marker(serving_env, tmp_path: Path) -> None:
+    """End to end: the marker `serve` exported reaches a new interpreter through the environment, and the backend
+    starts there without git; the same worker without the marker has to run git, and says it cannot."""
+    launcher, site = serving_env()
+    no_git = tmp_path / "no-git-bin"
+    no_git.mkdir()
+    import torch
+
+    done = serve(launcher, "serve", "/no/model", STUB_NO_GIT=str(no_git),
+                 STUB_TORCH_SITE=str(Path(torch.__file__).parents[1]), STUB_VLLM=str(site / "vllm" / "__init__.py"))
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 3, (done.stdout, done.stderr)
+    assert lines[0] == f"marker: {verified_marker(site, installed_series(site))}", lines[0]
+    assert lines[1] == "worker: started", lines[1]
+    assert lines[2].startswith("worker: RuntimeError: cannot check that ActiveKV's patch series is applied to the "
+                               f"vLLM this process imported ({site}/vllm): cannot run git"), lines[2]
 
 
 # ------------------------------------------------------------------------------- VLLM_PLUGINS for the endpoint plugin

@@ -268,12 +268,17 @@ int vllm_main(const std::string& subcommand, const std::vector<const char*>& arg
   bool asks_help = false;
   for (const char* a : args)
     asks_help |= std::strcmp(a, "-h") == 0 || std::strcmp(a, "--help") == 0 || std::strncmp(a, "--help=", 7) == 0;
+  // ACTIVEKV_PATCH_VERIFIED reaches Python (os.environ, then every process vLLM spawns) only as this launcher's own
+  // verdict: an inherited value is dropped, and the one exported names what the check below passed on.
+  ::unsetenv(series::kVerifiedVar);
   if (!asks_help && (!backend_chosen(args) || activekv_named)) {
-    const std::string why = backend_preflight(env);
-    if (!why.empty()) {
-      std::fprintf(stderr, "activekv: error: the ACTIVEKV attention backend cannot run: %s\n", why.c_str());
+    const Preflight preflight = backend_preflight(env);
+    if (!preflight.problem.empty()) {
+      std::fprintf(stderr, "activekv: error: the ACTIVEKV attention backend cannot run: %s\n",
+                   preflight.problem.c_str());
       return 1;
     }
+    if (!preflight.verified.empty()) ::setenv(series::kVerifiedVar, preflight.verified.c_str(), 1);
   }
   if (env.python.empty()) {
     std::fprintf(stderr, "activekv: error: no python interpreter next to this launcher in %s\n", env.bin_dir.c_str());

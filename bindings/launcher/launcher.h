@@ -34,10 +34,19 @@ std::string default_patch_dir(const Environment& env);
 /// `activekv patch apply|check|revert|status [--vllm DIR] [--patches DIR]`; returns the exit code.
 int patch_main(const std::vector<std::string>& args, const Environment& env);
 
-/// Why the ACTIVEKV backend cannot run in the environment's vLLM ("" when it can): the vLLM version is not the one the
-/// series and engine are built for, or the series is not (or only partly) applied. Reads files and runs git; never
-/// changes anything.
-std::string backend_preflight(const Environment& env);
+/// The launcher's check of the environment's vLLM before Python starts.
+struct Preflight {
+  /// Why the ACTIVEKV backend cannot run there ("" when it can): the vLLM version is not the one the series and engine
+  /// are built for, or the series is not (or only partly) applied, or the check cannot run.
+  std::string problem;
+  /// When it can: the ACTIVEKV_PATCH_VERIFIED value naming the tree, the series and their files' state as checked
+  /// (series::format_verified), exported to vLLM's processes so their backend skips git. "" when the check failed,
+  /// the files changed while git ran (digest before != after), or the value cannot be written (series.h).
+  std::string verified;
+};
+
+/// Reads files and runs git; never changes anything.
+Preflight backend_preflight(const Environment& env);
 
 /// What `activekv serve` does with VLLM_PLUGINS so vLLM loads ActiveKV's endpoint plugin (endpoint plugins load only
 /// when named there) while every other plugin loads or not exactly as before.

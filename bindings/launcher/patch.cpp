@@ -219,15 +219,33 @@ const char* const kPatchUsage = "usage: activekv patch {apply,check,revert,statu
 
 }  // namespace
 
-std::string backend_preflight(const Environment& env) {
+Preflight backend_preflight(const Environment& env) {
+  Preflight p;
   try {
     const std::string patch_dir = default_patch_dir(env);
-    if (patch_dir.empty()) return "the patch series is not installed next to this launcher";
+    if (patch_dir.empty()) {
+      p.problem = "the patch series is not installed next to this launcher";
+      return p;
+    }
     const Series series = Series::load(real_path(patch_dir));
-    return preflight_problem(check_series(resolve_tree(std::nullopt, env), series));
+    const Tree tree = resolve_tree(std::nullopt, env);
+    // The files' state before and after git ran: the marker vouches only for a state git saw from start to end.
+    auto digest = [&]() -> std::string {
+      try {
+        return series::state_digest(tree.root(), series);
+      } catch (const PatchError&) {
+        return {};  // unreadable: no marker, each process checks for itself
+      }
+    };
+    const std::string before = digest();
+    p.problem = preflight_problem(check_series(tree, series));
+    if (p.problem.empty() && !before.empty() && digest() == before) {
+      p.verified = series::format_verified({series_vllm_version(), before, tree.root(), series.directory});
+    }
   } catch (const PatchError& e) {
-    return e.what();
+    p.problem = e.what();
   }
+  return p;
 }
 
 int patch_main(const std::vector<std::string>& args, const Environment& env) {

@@ -4,7 +4,8 @@
 // method in one line. This file reads vLLM's objects (attributes only, plus one config method at start-up) and never
 // imports a Python module or calls a Python callable on the per-step path. At start-up (the first Impl or Builder)
 // it checks, once per process, that the vLLM the process imported carries this wheel's patch series
-// (bindings/series/patch_series.h, the check `activekv serve` runs before Python starts).
+// (bindings/series/patch_series.h, the check `activekv serve` runs before Python starts; under the launcher, its
+// ACTIVEKV_PATCH_VERIFIED spares git when it names this very tree, series and file state).
 #include <activekv/cpu_kernel.h>
 #include <activekv/engine.h>
 #include <activekv_py/common.h>
@@ -204,6 +205,23 @@ std::mutex g_series_mu;
 bool g_series_checked = false;
 std::string g_series_problem;
 
+/// What the launcher's ACTIVEKV_PATCH_VERIFIED (series::kVerifiedVar) means for the tree at `vllm_dir` and the series
+/// in `patch_dir`: "" when it vouches for exactly them (same build's vLLM version, tree, series and file state), else
+/// why not (for the message should this process's own check fail). Reads files, runs no git. A tree or series that
+/// cannot be read is "not vouched for": the check that follows says what is wrong with it.
+std::string marker_mismatch(const activekv::series::Verified& marker, const std::string& vllm_dir,
+                            const std::string& patch_dir) {
+  namespace s = activekv::series;
+  try {
+    const std::string root = s::tree_root(vllm_dir);
+    const s::Series series = s::Series::load(s::real_path(patch_dir));
+    return s::verified_mismatch(marker, {s::series_vllm_version(), s::state_digest(root, series), root,
+                                         series.directory});
+  } catch (const s::PatchError& e) {
+    return std::string("a tree and series that cannot be compared here (") + e.what() + ")";
+  }
+}
+
 // The escape hatch: "1" starts without the check. For environments that cannot run it, chiefly where git is not
 // installed (docs/vllm_support.md applies the series with patch(1) there); the user then vouches for the series.
 constexpr const char* kSkipCheckVar = "ACTIVEKV_SKIP_PATCH_CHECK";
@@ -212,7 +230,9 @@ constexpr const char* kSkipCheckVar = "ACTIVEKV_SKIP_PATCH_CHECK";
 /// patch series (another vLLM version, a series not or only partly applied, files changed, another release's series),
 /// or when that cannot be checked. Once per process; later calls repeat the first verdict. No vLLM in sys.modules
 /// (the bindings driven directly, as the tests and tools do): nothing to compare, no check. ACTIVEKV_SKIP_PATCH_CHECK=1
-/// skips it. Reads sys.modules and the environment, imports nothing; git runs without the GIL.
+/// skips it. ACTIVEKV_PATCH_VERIFIED (exported by `activekv serve` after its own check passed) skips git when it names
+/// this tree, the series installed next to this module and their files' state as they are now; a value of another form
+/// is a RuntimeError. Reads sys.modules and the environment, imports nothing; git runs without the GIL.
 void require_patched_vllm() {
   {
     std::lock_guard<std::mutex> lock(g_series_mu);
@@ -226,6 +246,16 @@ void require_patched_vllm() {
   if (vllm == nullptr) return;
   const char* skip_env = std::getenv(kSkipCheckVar);
   const std::string skip = skip_env != nullptr ? skip_env : "";
+  // The launcher's marker, parsed before anything is compared: a value of another form is an error, never "no marker".
+  std::optional<activekv::series::Verified> marker;
+  std::string marker_error;
+  if (const char* marker_env = std::getenv(activekv::series::kVerifiedVar); marker_env && *marker_env != '\0') {
+    try {
+      marker = activekv::series::parse_verified(marker_env);
+    } catch (const activekv::series::PatchError& e) {
+      marker_error = e.what();
+    }
+  }
   const py::object file = py::getattr(py::handle(vllm), "__file__", py::none());
   const std::string init = py::isinstance<py::str>(file) ? file.cast<std::string>() : std::string();
   const std::string file_repr = std::string(py::repr(file));
@@ -244,10 +274,21 @@ void require_patched_vllm() {
       } else if (init.empty()) {
         g_series_problem = "cannot check that ActiveKV's patch series is applied to the vLLM this process imported: "
                            "sys.modules['vllm'] has no __file__ (got " + file_repr + ")" + hatch;
+      } else if (!marker_error.empty()) {
+        g_series_problem = marker_error;  // refused, as a malformed ACTIVEKV_SKIP_PATCH_CHECK is
       } else {
-        const SeriesVerdict v = series_verdict(activekv::series::dirname(init), installed_patch_dir(),
-                                               "the vLLM this process imported");
-        g_series_problem = v.ran ? v.problem : v.problem + hatch;
+        const std::string vllm_dir = activekv::series::dirname(init);
+        const std::string patch_dir = installed_patch_dir();
+        const std::string why_not = marker ? marker_mismatch(*marker, vllm_dir, patch_dir) : std::string();
+        if (marker && why_not.empty()) {
+          g_series_problem.clear();  // `activekv serve` checked this very tree, series and file state: no git here
+        } else {
+          const SeriesVerdict v = series_verdict(vllm_dir, patch_dir, "the vLLM this process imported");
+          const std::string note = marker ? std::string(" (") + activekv::series::kVerifiedVar +
+                                                " did not spare this check: it names " + why_not + ")"
+                                          : std::string();
+          g_series_problem = v.problem.empty() ? "" : (v.ran ? v.problem : v.problem + hatch) + note;
+        }
       }
       g_series_checked = true;
     }

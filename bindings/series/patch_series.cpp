@@ -10,6 +10,8 @@
 
 #include <cerrno>
 #include <climits>
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -208,14 +210,16 @@ Tree tree_at(const std::string& root) {
   return Tree(root, checkout);
 }
 
-Tree resolve_tree(const std::string& arg) {
+std::string tree_root(const std::string& arg) {
   const std::string path = real_path(arg);
-  if (is_file(join(path, "vllm/__init__.py"))) return tree_at(path);
+  if (is_file(join(path, "vllm/__init__.py"))) return path;
   if (path.size() >= 5 && path.compare(path.size() - 5, 5, "/vllm") == 0 && is_file(join(path, "__init__.py"))) {
-    return tree_at(dirname(path));
+    return dirname(path);
   }
   throw PatchError(path + " holds no vllm package (expected " + path + "/vllm/__init__.py)");
 }
+
+Tree resolve_tree(const std::string& arg) { return tree_at(tree_root(arg)); }
 
 std::string vllm_version(const Tree& tree) {
   static const std::regex version_re(R"(^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"].*)");
@@ -267,6 +271,147 @@ Check check_series(const Tree& tree, const Series& series) {
     c.state = series_state(c.states);
   }
   return c;
+}
+
+namespace {
+
+/// FNV-1a 64-bit (http://www.isthe.com/chongo/tech/comp/fnv/): offset basis 14695981039346656037, prime 1099511628211.
+class Fnv1a64 {
+ public:
+  /// One field: its length, ':', its bytes (so no two sequences of fields feed the same bytes).
+  void field(const std::string& s) {
+    bytes(std::to_string(s.size()) + ":");
+    bytes(s);
+  }
+  std::string hex() const {
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h_));
+    return buf;
+  }
+
+ private:
+  void bytes(const std::string& s) {
+    for (const unsigned char c : s) {
+      h_ ^= c;
+      h_ *= 1099511628211ULL;
+    }
+  }
+  uint64_t h_ = 14695981039346656037ULL;
+};
+
+std::string read_or_throw(const std::string& path) {
+  std::string text;
+  if (!read_file(path, text)) throw PatchError("cannot read " + path);
+  return text;
+}
+
+}  // namespace
+
+std::string state_digest(const std::string& root, const Series& series) {
+  Fnv1a64 h;
+  h.field(series_vllm_version());
+  h.field(read_or_throw(join(series.directory, "series")));
+  for (size_t i = 0; i < series.names.size(); ++i) {
+    h.field(series.names[i]);
+    h.field(read_or_throw(series.path(i)));
+  }
+  std::vector<std::string> files{"vllm/_version.py"};
+  for (const auto& rel : series.touched_files()) files.push_back(rel);
+  for (const auto& rel : files) {
+    const std::string path = join(root, rel);
+    h.field(rel);
+    struct stat st {};
+    if (::lstat(path.c_str(), &st) != 0) {
+      if (errno != ENOENT && errno != ENOTDIR) throw PatchError("cannot stat " + path + ": " + std::strerror(errno));
+      h.field("absent");
+    } else if (S_ISREG(st.st_mode)) {
+      h.field((st.st_mode & S_IXUSR) != 0 ? "file 755" : "file 644");  // git records only the owner's x bit
+      h.field(read_or_throw(path));
+    } else if (S_ISLNK(st.st_mode)) {
+      std::string target(PATH_MAX, '\0');
+      const ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
+      if (n < 0) throw PatchError("cannot read the link " + path + ": " + std::strerror(errno));
+      target.resize(static_cast<size_t>(n));
+      h.field("link");
+      h.field(target);
+    } else {
+      h.field("other " + std::to_string(st.st_mode & S_IFMT));
+    }
+  }
+  return "fnv1a64:" + h.hex();
+}
+
+namespace {
+
+bool writable_path(const std::string& p) {
+  if (p.empty() || p[0] != '/') return false;
+  for (const unsigned char c : p) {
+    if (c == ';' || c < 0x20 || c == 0x7f) return false;
+  }
+  return true;
+}
+
+bool digest_form(const std::string& s) {
+  static const std::regex re("fnv1a64:[0-9a-f]{16}");
+  return std::regex_match(s, re);
+}
+
+}  // namespace
+
+std::string format_verified(const Verified& v) {
+  if (!writable_path(v.tree) || !writable_path(v.series_dir) || !digest_form(v.state) || v.vllm_version.empty() ||
+      v.vllm_version.find(';') != std::string::npos) {
+    return {};
+  }
+  return "v1;vllm=" + v.vllm_version + ";state=" + v.state + ";tree=" + v.tree + ";series=" + v.series_dir;
+}
+
+Verified parse_verified(const std::string& value) {
+  const std::string shown = value.size() > 300 ? value.substr(0, 300) + "..." : value;
+  const auto bad = [&](const std::string& why) {
+    return PatchError(std::string(kVerifiedVar) + " must be the value `activekv serve` exports after its patch series "
+                      "check (v1;vllm=VERSION;state=fnv1a64:<16 hex digits>;tree=DIR;series=DIR, absolute paths), "
+                      "got '" + shown + "' (" + why + "); unset it and the check runs here");
+  };
+  std::vector<std::string> parts;
+  for (size_t start = 0;;) {
+    const size_t end = value.find(';', start);
+    parts.push_back(value.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  if (parts.size() != 5) throw bad(std::to_string(parts.size()) + " ';'-separated fields, expected 5");
+  if (parts[0] != "v1") throw bad("the first field is '" + parts[0] + "', expected 'v1'");
+  Verified v;
+  const char* keys[] = {"vllm=", "state=", "tree=", "series="};
+  std::string* fields[] = {&v.vllm_version, &v.state, &v.tree, &v.series_dir};
+  for (size_t i = 0; i < 4; ++i) {
+    const std::string& part = parts[i + 1];
+    const std::string key = keys[i];
+    if (part.rfind(key, 0) != 0) throw bad("field " + std::to_string(i + 2) + " is not " + key + "...");
+    *fields[i] = part.substr(key.size());
+  }
+  if (v.vllm_version.empty()) throw bad("vllm= is empty");
+  if (!digest_form(v.state)) throw bad("state= is not fnv1a64: and 16 lowercase hex digits");
+  if (!writable_path(v.tree)) throw bad("tree= is not an absolute path");
+  if (!writable_path(v.series_dir)) throw bad("series= is not an absolute path");
+  return v;
+}
+
+std::string verified_mismatch(const Verified& marker, const Verified& here) {
+  if (marker.vllm_version != here.vllm_version) {
+    return "the check of the ActiveKV release for vLLM " + marker.vllm_version + " (this one is for vLLM " +
+           here.vllm_version + ")";
+  }
+  if (marker.tree != here.tree) return "another vLLM tree (" + marker.tree + ", not " + here.tree + ")";
+  if (marker.series_dir != here.series_dir) {
+    return "another patch series (" + marker.series_dir + ", not " + here.series_dir + ")";
+  }
+  if (marker.state != here.state) {
+    return "this tree and series with other files (" + marker.state + ", now " + here.state +
+           "): they changed since that check";
+  }
+  return "";
 }
 
 std::string preflight_problem(const Check& c) {

@@ -80,8 +80,11 @@ class Tree {
 /// site-packages inside a checkout is not).
 Tree tree_at(const std::string& root);
 
-/// The tree of a directory given by the user: one holding vllm/__init__.py, or the vllm package directory itself.
-/// Throws PatchError for any other directory.
+/// The root of the tree at a directory given by the user (one holding vllm/__init__.py, or the vllm package directory
+/// itself), resolved with realpath(3); runs no git. Throws PatchError for any other directory.
+std::string tree_root(const std::string& path);
+
+/// The tree of a directory given by the user: tree_at(tree_root(path)). Throws PatchError as tree_root does.
 Tree resolve_tree(const std::string& path);
 
 /// The version written in root/vllm/_version.py (read, not imported). Throws PatchError when there is none.
@@ -113,6 +116,43 @@ Check check_series(const Tree& tree, const Series& series);
 
 /// Why `activekv serve` / `run-batch` refuse the ACTIVEKV backend ("" when check.ok()): the launcher's message.
 std::string preflight_problem(const Check& check);
+
+// ---- one check per tree: the launcher's verdict, handed to the processes it starts ----
+
+/// The variable `activekv serve` / `run-batch` export after their check passed (docs/reliability.md, "The patch series
+/// check"): which tree carries which series, and the state of every file the verdict depends on. The `_backend` module
+/// (and each vLLM worker, which inherits the environment) then skips git when the marker matches the vLLM it imported
+/// and the series installed next to it, file state included; anything else is checked as before.
+inline constexpr const char* kVerifiedVar = "ACTIVEKV_PATCH_VERIFIED";
+
+/// Every input of check_series(tree_at(root), series) but the tree's location, as one value: this build's vLLM
+/// version, the series (its `series` file and each patch, bytes) and, in the tree, vllm/_version.py and each file the
+/// series touches (regular file: executable bit and bytes; symbolic link: its target; absent; or another kind), so
+/// equal digests mean equal inputs to `git apply --check`. Hash: FNV-1a 64-bit (Fowler, Noll, Vo;
+/// http://www.isthe.com/chongo/tech/comp/fnv/) over length-prefixed fields: it tells accidental change (a reinstall,
+/// an edit, a revert) from none; it is no protection against a forged value, which needs no more access than
+/// ACTIVEKV_SKIP_PATCH_CHECK=1. Reads files, runs no git. Returns "fnv1a64:" + 16 lowercase hex digits. Throws
+/// PatchError when a file cannot be read.
+std::string state_digest(const std::string& root, const Series& series);
+
+/// What a passed check verified: the fields of an ACTIVEKV_PATCH_VERIFIED value.
+struct Verified {
+  std::string vllm_version;  // series_vllm_version() of the build that checked (e.g. "0.32.0")
+  std::string state;         // state_digest(tree, series)
+  std::string tree;          // the tree's root, a real path (holds vllm/)
+  std::string series_dir;    // the series' directory, a real path
+};
+
+/// "v1;vllm=VERSION;state=fnv1a64:HEX16;tree=DIR;series=DIR"; "" when a field cannot be written in that form (a path
+/// that is not absolute or holds ';' or a control character): then no marker is exported and every process checks.
+std::string format_verified(const Verified& v);
+
+/// Parses a value of format_verified's form. Throws PatchError naming the variable, the expected form and the value.
+Verified parse_verified(const std::string& value);
+
+/// "" when `marker` vouches for `here` (every field equal), else which field differs, for messages: "another vLLM tree
+/// (DIR)", "another patch series (DIR)", "the ActiveKV release for vLLM X", or that the files changed since.
+std::string verified_mismatch(const Verified& marker, const Verified& here);
 
 /// Why the ACTIVEKV backend cannot run in a Python process's vLLM ("" when check.ok()): what was expected, what was
 /// found (per patch when the series is not fully applied) and the commands that fix it, naming the tree.
