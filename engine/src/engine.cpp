@@ -101,7 +101,6 @@ Engine::Engine(EngineConfig config, at::Device device)
   telemetry_.set_info("bytes_per_block", g.bytes_per_block());
   telemetry_.set_gauge(Gauge::kMode, config_.mode == Mode::kCompressed ? 1 : 0);
   telemetry_.set_gauge(Gauge::kPoolCapacityBlocks, config_.pool_blocks * g.num_layers);
-  reported_resident_.assign(static_cast<size_t>(g.num_layers), 0);
   // A device pool fed from a pinned host tier copies on its own stream (transfer.h), taken once from the pool of
   // streams of the device.
   if (device_.is_cuda())
@@ -260,8 +259,9 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   telemetry_.observe_forward_latency_us(us);
   // Gauges for the HTTP health route: occupied slots (a slot is freed only by a page-table reset, so next_free
   // counts them), and when the last forward ended (wall clock: another process compares it with its own clock).
-  telemetry_.add_gauge(Gauge::kPoolResidentBlocks, L.next_free - reported_resident_[static_cast<size_t>(layer)]);
-  reported_resident_[static_cast<size_t>(layer)] = L.next_free;
+  int64_t resident = 0;
+  for (int64_t i = 0; i < g.num_layers; ++i) resident += kv_.layer(i).next_free;
+  telemetry_.set_gauge(Gauge::kPoolResidentBlocks, resident);
   telemetry_.set_gauge(Gauge::kLastForwardUs, static_cast<int64_t>(us));
   telemetry_.set_gauge(Gauge::kLastStepUnixUs,
                        std::chrono::duration_cast<std::chrono::microseconds>(

@@ -165,8 +165,6 @@ class Engine {
   uint64_t clock_ = 0;
   std::unordered_map<std::string, int64_t> layer_names_;
   std::optional<c10::Stream> copy_stream_;  ///< CUDA pool only: host-to-device copies of a pinned host tier
-  /// [num_layers] occupied pool slots of each layer as last added to the pool_resident_blocks gauge.
-  std::vector<int64_t> reported_resident_;
   std::mutex mu_;
 };
 
