@@ -444,3 +444,49 @@ def test_llm_with_activekv_on_a_vllm_patched_by_another_series_fails_at_start_up
     assert last.startswith("RuntimeError: the ACTIVEKV attention backend cannot run on the vLLM this process "
                            "imported: the ActiveKV patch series is partially applied"), last
     assert f"{site}/vllm" in last and NAMES[1] in last
+
+
+PLUGIN = """
+import sys, warnings
+sys.path.insert(0, sys.argv[1])
+import vllm
+from vllm.plugins import load_general_plugins
+assert vllm.__file__ == sys.argv[1] + "/vllm/__init__.py", vllm.__file__
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    load_general_plugins()  # what vLLM's engine core, workers and EngineArgs call at start-up
+for w in caught:
+    if "ActiveKV" in str(w.message):
+        print(w.category.__name__ + ": " + str(w.message))
+print("started")
+"""
+
+
+def general_plugin(site: Path) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("ACTIVEKV_SKIP_PATCH_CHECK", VERIFIED, "VLLM_PLUGINS")}
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", PLUGIN, str(site)], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.splitlines()
+
+
+def test_the_general_plugin_warns_with_the_fix_on_an_unpatched_vllm_and_never_stops_it(tmp_path: Path) -> None:
+    """vLLM calls the vllm.general_plugins entry points at every start-up, whichever backend is selected: on an
+    unpatched vLLM (which never imports ActiveKV, so selecting ACTIVEKV fails with vLLM's own 'Unknown attention
+    backend') ActiveKV's plugin warns with the diagnosis and the fix; on a patched one it says nothing; it never
+    raises."""
+    site = linked_vllm(tmp_path / "site")
+    assert general_plugin(site) == ["started"]
+    for patch in reversed(SERIES.patches):
+        git_apply(site, patch, "-R")
+    assert "the ActiveKV patch series is not applied" in raises(site)
+    lines = general_plugin(site)
+    assert len(lines) == 2 and lines[1] == "started", lines
+    assert lines[0].startswith("RuntimeWarning: ActiveKV is installed but the ACTIVEKV attention backend cannot run "
+                               "on the vLLM this process imported: the ActiveKV patch series is not applied on vLLM "
+                               f"0.32.0 at {site}/vllm. "), lines[0]
+    assert f"`activekv patch apply --vllm {site}`" in lines[0]
+    assert lines[0].endswith("restart this process. Until then vLLM does not know the ACTIVEKV attention backend "
+                             "(selecting it fails with vLLM's 'Unknown attention backend'); other backends are not "
+                             "affected."), lines[0]

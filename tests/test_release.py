@@ -178,6 +178,8 @@ def test_wheel_declares_the_endpoint_plugin_as_metadata_pointing_at_a_native_mod
     # The module it names is an extension module of the wheel, not Python.
     assert [n for n in names if re.fullmatch(r"activekv/_endpoint\.cpython-\d+-x86_64-linux-gnu\.so", n)]
     assert parser["vllm.stat_logger_plugins"]["activekv"].strip() == "vllm.v1.metrics.activekv:ActiveKVStatLogger"
+    # The general plugin (the warning on a vLLM without the series) is a function of the native _backend module.
+    assert parser["vllm.general_plugins"]["activekv"].strip() == "activekv._backend:vllm_general_plugin"
 
 
 def test_audit_passes_on_the_built_wheel(wheel: Path, ref: Path) -> None:

@@ -226,24 +226,22 @@ std::string marker_mismatch(const activekv::series::Verified& marker, const std:
 // installed (docs/vllm_support.md applies the series with patch(1) there); the user then vouches for the series.
 constexpr const char* kSkipCheckVar = "ACTIVEKV_SKIP_PATCH_CHECK";
 
-/// Raises RuntimeError when the vLLM this process imported (sys.modules['vllm'].__file__) does not carry this wheel's
-/// patch series (another vLLM version, a series not or only partly applied, files changed, another release's series),
-/// or when that cannot be checked. Once per process; later calls repeat the first verdict. No vLLM in sys.modules
-/// (the bindings driven directly, as the tests and tools do): nothing to compare, no check. ACTIVEKV_SKIP_PATCH_CHECK=1
-/// skips it. ACTIVEKV_PATCH_VERIFIED (exported by `activekv serve` after its own check passed) skips git when it names
-/// this tree, the series installed next to this module and their files' state as they are now; a value of another form
-/// is a RuntimeError. Reads sys.modules and the environment, imports nothing; git runs without the GIL.
-void require_patched_vllm() {
+/// Why the ACTIVEKV backend cannot run here ("" when it can): the vLLM this process imported
+/// (sys.modules['vllm'].__file__) does not carry this wheel's patch series (another vLLM version, a series not or only
+/// partly applied, files changed, another release's series), or that cannot be checked. Decided once per process;
+/// later calls repeat the first verdict. No vLLM in sys.modules (the bindings driven directly, as the tests and tools
+/// do): nothing to compare, "". ACTIVEKV_SKIP_PATCH_CHECK=1 skips the check. ACTIVEKV_PATCH_VERIFIED (exported by
+/// `activekv serve` after its own check passed) skips git when it names this tree, the series installed next to this
+/// module and their files' state as they are now; a value of another form is itself the problem. Reads sys.modules
+/// and the environment, imports nothing; git runs without the GIL.
+std::string patched_vllm_problem() {
   {
     std::lock_guard<std::mutex> lock(g_series_mu);
-    if (g_series_checked) {
-      TORCH_CHECK(g_series_problem.empty(), g_series_problem);
-      return;
-    }
+    if (g_series_checked) return g_series_problem;
   }
   PyObject* modules = PySys_GetObject("modules");  // borrowed
   PyObject* vllm = modules != nullptr && PyDict_Check(modules) ? PyDict_GetItemString(modules, "vllm") : nullptr;
-  if (vllm == nullptr) return;
+  if (vllm == nullptr) return "";
   const char* skip_env = std::getenv(kSkipCheckVar);
   const std::string skip = skip_env != nullptr ? skip_env : "";
   // The launcher's marker, parsed before anything is compared: a value of another form is an error, never "no marker".
@@ -294,6 +292,12 @@ void require_patched_vllm() {
     }
     problem = g_series_problem;
   }
+  return problem;
+}
+
+/// Raises RuntimeError with patched_vllm_problem() when there is one (the first Impl / Builder of a process).
+void require_patched_vllm() {
+  const std::string problem = patched_vllm_problem();
   TORCH_CHECK(problem.empty(), problem);
 }
 
@@ -667,6 +671,27 @@ PYBIND11_MODULE(_backend, m) {
       "patch_dir, patches, state='applied'}. Raises RuntimeError naming what was expected, what was found (each "
       "patch: applied, not applied, or matching neither side) and the fix; also when the check cannot run (no vllm "
       "package there, no series, git missing). Runs `git apply --check`; changes nothing.");
+  // vLLM's general plugin group (vllm/plugins/__init__.py, DEFAULT_PLUGINS_GROUP "vllm.general_plugins", entry point in
+  // pyproject.toml): load_general_plugins() calls it once per vLLM process at start-up (vllm/v1/engine/core.py,
+  // vllm/engine/arg_utils.py, vllm/v1/worker/worker_base.py), whichever attention backend is selected. On a vLLM the
+  // series is not applied to, vLLM never imports ActiveKV and selecting ACTIVEKV fails with vLLM's own "Unknown
+  // attention backend"; this puts ActiveKV's diagnosis and fix before it, as a warning (never an exception: a vLLM
+  // that does not use ActiveKV must still start).
+  m.def(
+      "vllm_general_plugin",
+      []() {
+        const std::string problem = patched_vllm_problem();
+        if (problem.empty()) return;
+        const std::string end = problem.back() == '.' ? " " : ". ";
+        const std::string msg = "ActiveKV is installed but " + problem + end +
+                                "Until then vLLM does not know the ACTIVEKV attention backend (selecting it fails "
+                                "with vLLM's 'Unknown attention backend'); other backends are not affected.";
+        if (PyErr_WarnEx(PyExc_RuntimeWarning, msg.c_str(), 1) != 0) throw py::error_already_set();
+      },
+      "vLLM's general plugin (entry point group vllm.general_plugins), called once per vLLM process at start-up: a "
+      "RuntimeWarning naming the problem and the fix when the vLLM this process imported does not carry this "
+      "ActiveKV's patch series (the check the first Impl / Builder makes, shared with it); nothing otherwise. Never "
+      "raises (unless warnings are made errors).");
   m.def("name", []() { return std::string("ACTIVEKV"); }, "The backend name vLLM selects.");
   m.def("cpu_kernel_capability", &activekv::cpu_kernel_capability,
         "CPU capability of the fast kernel in use: 'avx512', 'avx2' or 'default' (ATEN_CPU_CAPABILITY caps it).");
