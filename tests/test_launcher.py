@@ -702,6 +702,26 @@ def test_plugins_unset_names_every_plugin_vllm_would_load_and_ours(tmp_path: Pat
     assert names == sorted(names) and len(names) == len(set(names))
 
 
+@pytest.mark.parametrize("pythonpath", [":", "/no/such/dir::/no/other", "/no/such/dir:"])
+def test_plugins_reads_an_empty_pythonpath_entry_as_the_cwd(tmp_path: Path, pythonpath: str) -> None:
+    """An empty $PYTHONPATH entry is the current directory to CPython (sys.path gets the cwd there), so vLLM loads a
+    plugin distribution found in it: the allowlist names it too (the scan used to skip empty entries). An empty
+    $PYTHONPATH is no entry at all."""
+    fake_distribution(tmp_path, "here", {"vllm.general_plugins": ["here_general"]})
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+
+    def names(value: str) -> list[str]:
+        return allowlist(subprocess.run([str(LAUNCHER), "plugins"], capture_output=True, text=True, timeout=60,
+                                        env={**base, "PYTHONPATH": value}, cwd=tmp_path))
+
+    found = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(sorted(e.name for e in "
+                            "m.entry_points(group='vllm.general_plugins')))"], capture_output=True, text=True,
+                           timeout=60, env={**base, "PYTHONPATH": pythonpath}, cwd=tmp_path, check=True).stdout
+    assert "here_general" in found  # what vLLM's own lookup finds
+    assert "here_general" in names(pythonpath)
+    assert "here_general" not in names("") and "here_general" not in names("/no/such/dir")
+
+
 def test_plugins_set_by_the_user_only_gains_activekv() -> None:
     assert allowlist(plugins({"VLLM_PLUGINS": "mine"}, unset=False)) == ["mine", "activekv"]
     assert allowlist(plugins({"VLLM_PLUGINS": ""}, unset=False)) == ["", "activekv"]  # "" allowed nothing; still so

@@ -141,13 +141,14 @@ void scan_entry_points(const std::vector<std::string>& dirs, std::map<std::strin
 
 /// The directories `import` searches for distributions, as far as the launcher can know them before Python starts:
 /// $PYTHONPATH, the environment's site-packages, and the directories their .pth files name (editable installs).
+/// $PYTHONPATH as CPython reads it (getpath): an empty value is no entry, an empty entry is the current directory.
 std::vector<std::string> distribution_dirs(const Environment& env) {
   std::vector<std::string> dirs;
-  if (const char* pp = std::getenv("PYTHONPATH"); pp != nullptr) {
+  if (const char* pp = std::getenv("PYTHONPATH"); pp != nullptr && *pp != '\0') {
     std::string all = pp;
     for (size_t start = 0; start <= all.size();) {
       const size_t end = std::min(all.find(':', start), all.size());
-      if (end > start) dirs.push_back(all.substr(start, end - start));
+      dirs.push_back(end > start ? all.substr(start, end - start) : std::string("."));
       start = end + 1;
     }
   }
