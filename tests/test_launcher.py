@@ -722,6 +722,24 @@ def test_plugins_reads_an_empty_pythonpath_entry_as_the_cwd(tmp_path: Path, pyth
     assert "here_general" not in names("") and "here_general" not in names("/no/such/dir")
 
 
+def test_plugins_reads_pth_lines_as_site_py_does(serving_env) -> None:
+    """The VLLM_PLUGINS scan reads a .pth file's lines as site.py's addpackage does: only '#' lines, blank lines and
+    lines starting "import " or "import<TAB>" name no directory; a directory whose name starts with "import" is a path
+    (the scan used to skip every line starting "import"), and trailing whitespace (a tab too) is stripped."""
+    launcher, site = serving_env(apply=False)
+    fake_distribution(site / "importantdir", "imp", {"vllm.general_plugins": ["imp_general"]})
+    fake_distribution(site / "tabbed", "tab", {"vllm.general_plugins": ["tab_general"]})
+    (site / "extra.pth").write_text("# a comment\n   \t\nimport os\nimportantdir\ntabbed\t \n")
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PYTHONPATH")}
+    python = launcher.parent / f"python{PY_MINOR}"
+    found = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(sorted(e.name for e in "
+                            "m.entry_points(group='vllm.general_plugins')))"], capture_output=True, text=True,
+                           timeout=60, env=env, check=True).stdout
+    assert "imp_general" in found and "tab_general" in found, found  # what vLLM's own lookup finds
+    names = allowlist(subprocess.run([str(launcher), "plugins"], capture_output=True, text=True, timeout=60, env=env))
+    assert "imp_general" in names and "tab_general" in names, names
+
+
 def test_plugins_set_by_the_user_only_gains_activekv() -> None:
     assert allowlist(plugins({"VLLM_PLUGINS": "mine"}, unset=False)) == ["mine", "activekv"]
     assert allowlist(plugins({"VLLM_PLUGINS": ""}, unset=False)) == ["", "activekv"]  # "" allowed nothing; still so
