@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +28,7 @@ import torch  # noqa: F401  (the native modules use torch's types: torch first)
 
 from activekv import _backend
 from tests import vllm_tree
-from tools.vllm_patch import DEFAULT_PATCHES, Series, verified_marker
+from tools.vllm_patch import DEFAULT_PATCHES, Series
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = Path(sys.executable).parent / "activekv"
@@ -92,7 +93,6 @@ def test_the_series_library_is_pure_cpp() -> None:
     """bindings/series/ is linked into the launcher and into _backend: no Python header, pybind11 or torch, neither
     included nor reachable through its include paths (its compile command from `make build`)."""
     import json
-    import re
 
     from intake.cxx import forbidden_header
 
@@ -309,8 +309,27 @@ def test_startup_escape_hatch_and_a_check_that_cannot_run(tmp_path: Path) -> Non
 
 
 # ------------------------------------------------ one check per tree: the launcher's ACTIVEKV_PATCH_VERIFIED
-# The value is the one the launcher exports (tests/test_launcher.py compares the launcher's with verified_marker);
-# "without git" is PATH without git, so a start-up that passes there ran no git.
+# The value is the one the launcher exports, computed by the launcher's own function through _backend.verified_marker
+# (tests/test_launcher.py compares the launcher's with it); "without git" is PATH without git, so a start-up that
+# passes there ran no git.
+
+
+def verified_marker(root: Path, series: Series) -> str:
+    return _backend.verified_marker(str(root), str(series.directory))
+
+
+def test_verified_marker_names_the_tree_series_and_state(tmp_path: Path) -> None:
+    """_backend.verified_marker: the launcher's value for a tree and a series (default: the installed one), whichever
+    way the tree is named; a tree or series it cannot read is a RuntimeError saying which."""
+    marker = _backend.verified_marker(str(VENV_SITE))
+    assert re.fullmatch(rf"v1;vllm=0\.32\.0;state=fnv1a64:[0-9a-f]{{16}};tree={re.escape(str(VENV_SITE.resolve()))};"
+                        rf"series={re.escape(str(INSTALLED_SERIES.resolve()))}", marker), marker
+    assert _backend.verified_marker(str(VENV_SITE / "vllm"), str(INSTALLED_SERIES)) == marker
+    with pytest.raises(RuntimeError, match=re.escape(f"cannot compute the {VERIFIED} value for {tmp_path}: {tmp_path} "
+                                                     "holds no vllm package")):
+        _backend.verified_marker(str(tmp_path))
+    with pytest.raises(RuntimeError, match=re.escape(f"no series file in {tmp_path}")):
+        _backend.verified_marker(str(VENV_SITE), str(tmp_path))
 
 
 def no_git_path(tmp_path: Path) -> str:

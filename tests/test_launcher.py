@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests import vllm_tree  # noqa: E402
-from tools.vllm_patch import DEFAULT_PATCHES, Series, verified_marker  # noqa: E402
+from tools.vllm_patch import DEFAULT_PATCHES, Series  # noqa: E402
 
 LAUNCHER = Path(sys.executable).parent / "activekv"
 SERIES = Series.load(DEFAULT_PATCHES)
@@ -482,9 +482,18 @@ def installed_series(site: Path) -> Series:
     return Series.load(site / "activekv" / "patches" / "vllm" / "v0.32.0")
 
 
+def verified_marker(site: Path, series: Series) -> str:
+    """The value for the tree at ``site`` and ``series``, computed by the launcher's own C++ function (through
+    activekv._backend.verified_marker) from the files as they are."""
+    import torch  # noqa: F401  (the modules refuse to load before torch)
+    from activekv import _backend
+
+    return _backend.verified_marker(str(site), str(series.directory))
+
+
 def test_serve_exports_the_tree_series_and_state_its_check_passed(serving_env) -> None:
     """After a passed check `serve` and `run-batch` hand vLLM's processes ACTIVEKV_PATCH_VERIFIED naming the tree,
-    the series (real paths) and their files' state as checked: the value tools.vllm_patch.verified_marker computes.
+    the series (real paths) and their files' state as checked: the value _backend.verified_marker computes.
     An inherited value never passes through."""
     launcher, site = serving_env()
     series = installed_series(site)

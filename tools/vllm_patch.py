@@ -173,39 +173,6 @@ def series_state(states: list[State]) -> str:
     return "partially applied"
 
 
-def state_digest(root: Path, series: Series) -> str:
-    """The twin of the native ``series::state_digest`` (bindings/series/patch_series.h): FNV-1a 64-bit over
-    length-prefixed fields (this series' vLLM version; the ``series`` file and each patch's name and bytes; then, in the
-    tree at ``root``, ``vllm/_version.py`` and each file the series touches: its path and ``absent``, ``link`` and the
-    link's target, or ``file 755``/``file 644`` and its bytes). Every input of the check but the tree's location."""
-    fields = [VLLM_VERSION.encode(), (series.directory / "series").read_bytes()]
-    for patch in series.patches:
-        fields += [patch.name.encode(), patch.read_bytes()]
-    for rel in ["vllm/_version.py", *series.touched_files()]:
-        path = root / rel
-        fields.append(rel.encode())
-        if path.is_symlink():
-            fields += [b"link", os.fsencode(os.readlink(path))]
-        elif path.is_file():
-            fields += [b"file 755" if path.stat().st_mode & 0o100 else b"file 644", path.read_bytes()]
-        elif not path.exists():
-            fields.append(b"absent")
-        else:
-            fields.append(f"other {path.lstat().st_mode & 0o170000}".encode())
-    h = 0xCBF29CE484222325  # FNV-1a 64-bit offset basis; prime 0x100000001B3
-    for field in fields:
-        for byte in str(len(field)).encode() + b":" + field:
-            h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return f"fnv1a64:{h:016x}"
-
-
-def verified_marker(root: Path, series: Series) -> str:
-    """The ``ACTIVEKV_PATCH_VERIFIED`` value ``activekv serve`` exports after its check passed on the tree at ``root``
-    with ``series`` (docs/reliability.md, "The patch series check"); computed here without any check."""
-    return (f"v1;vllm={VLLM_VERSION};state={state_digest(root, series)};tree={root.resolve()};"
-            f"series={series.directory}")
-
-
 def _snapshot(root: Path, paths: list[str]) -> dict[str, bytes | None]:
     return {p: ((root / p).read_bytes() if (root / p).is_file() else None) for p in paths}
 

@@ -230,18 +230,16 @@ Preflight backend_preflight(const Environment& env) {
     const Series series = Series::load(real_path(patch_dir));
     const Tree tree = resolve_tree(std::nullopt, env);
     // The files' state before and after git ran: the marker vouches only for a state git saw from start to end.
-    auto digest = [&]() -> std::string {
+    auto marker = [&]() -> std::string {
       try {
-        return series::state_digest(tree.root(), series);
+        return series::verified_marker(tree.root(), series);
       } catch (const PatchError&) {
         return {};  // unreadable: no marker, each process checks for itself
       }
     };
-    const std::string before = digest();
+    const std::string before = marker();
     p.problem = preflight_problem(check_series(tree, series));
-    if (p.problem.empty() && !before.empty() && digest() == before) {
-      p.verified = series::format_verified({series_vllm_version(), before, tree.root(), series.directory});
-    }
+    if (p.problem.empty() && !before.empty() && marker() == before) p.verified = before;
   } catch (const PatchError& e) {
     p.problem = e.what();
   }

@@ -166,16 +166,22 @@ std::string installed_patch_dir() {
                                 "patches/vllm/v" + activekv::series::series_vllm_version());
 }
 
-/// The series in `patch_dir` compared with the vLLM tree at `vllm_dir` (the directory holding vllm/, or the vllm
-/// package directory). Runs git; no GIL needed. Throws PatchError when the check itself cannot run.
-activekv::series::Check check_tree(const std::string& vllm_dir, const std::string& patch_dir) {
+/// The series in `patch_dir` (installed_patch_dir() or a caller's), read from its real path. Throws PatchError when
+/// there is no such directory (the message says the wheel's series is missing) or Series::load refuses it.
+activekv::series::Series load_series(const std::string& patch_dir) {
   namespace s = activekv::series;
   if (patch_dir.empty() || !s::is_dir(patch_dir)) {
     throw s::PatchError("this ActiveKV's patch series is not installed next to its _backend module (expected " +
                         (patch_dir.empty() ? std::string("<activekv>/patches") : patch_dir) +
                         "); reinstall the ActiveKV wheel");
   }
-  return s::check_series(s::resolve_tree(vllm_dir), s::Series::load(s::real_path(patch_dir)));
+  return s::Series::load(s::real_path(patch_dir));
+}
+
+/// The series in `patch_dir` compared with the vLLM tree at `vllm_dir` (the directory holding vllm/, or the vllm
+/// package directory). Runs git; no GIL needed. Throws PatchError when the check itself cannot run.
+activekv::series::Check check_tree(const std::string& vllm_dir, const std::string& patch_dir) {
+  return activekv::series::check_series(activekv::series::resolve_tree(vllm_dir), load_series(patch_dir));
 }
 
 /// The check of the tree at `vllm_dir` against the series in `patch_dir`, and "" when the tree carries the series, else
@@ -213,10 +219,7 @@ std::string marker_mismatch(const activekv::series::Verified& marker, const std:
                             const std::string& patch_dir) {
   namespace s = activekv::series;
   try {
-    const std::string root = s::tree_root(vllm_dir);
-    const s::Series series = s::Series::load(s::real_path(patch_dir));
-    return s::verified_mismatch(marker, {s::series_vllm_version(), s::state_digest(root, series), root,
-                                         series.directory});
+    return s::verified_mismatch(marker, s::verified_now(s::tree_root(vllm_dir), load_series(patch_dir)));
   } catch (const s::PatchError& e) {
     return std::string("a tree and series that cannot be compared here (") + e.what() + ")";
   }
@@ -671,6 +674,33 @@ PYBIND11_MODULE(_backend, m) {
       "patch_dir, patches, state='applied'}. Raises RuntimeError naming what was expected, what was found (each "
       "patch: applied, not applied, or matching neither side) and the fix; also when the check cannot run (no vllm "
       "package there, no series, git missing). Runs `git apply --check`; changes nothing.");
+  m.def(
+      "verified_marker",
+      [](const std::string& vllm_dir, std::optional<std::string> patch_dir) {
+        namespace s = activekv::series;
+        const std::string dir = patch_dir ? *patch_dir : installed_patch_dir();
+        std::string marker, error;
+        {
+          py::gil_scoped_release release;
+          try {
+            marker = s::verified_marker(s::tree_root(vllm_dir), load_series(dir));
+          } catch (const s::PatchError& e) {
+            error = e.what();
+          }
+        }
+        TORCH_CHECK(error.empty(), "cannot compute the ", s::kVerifiedVar, " value for ", vllm_dir, ": ", error);
+        return marker;
+      },
+      py::arg("vllm_dir"), py::arg("patch_dir") = py::none(),
+      "The ACTIVEKV_PATCH_VERIFIED value `activekv serve` / `run-batch` export after their patch series check passed "
+      "on the vLLM tree at vllm_dir (a directory holding vllm/, or the vllm package directory; str) with the series in "
+      "patch_dir (str; default: the series installed with this module), computed from the files as they are now by "
+      "the launcher's own function (bindings/series/patch_series.h, verified_marker): no check runs, no git. Returns "
+      "a str 'v1;vllm=" ACTIVEKV_VLLM_PATCH_VERSION ";state=fnv1a64:<16 hex digits>;tree=<root>;series=<series "
+      "dir>' (real paths; state is the FNV-1a 64-bit digest of the series and of the tree's files it touches), or '' "
+      "where a path cannot be written in that form (';' or a control character in it: the launcher exports no value "
+      "then). Raises RuntimeError when vllm_dir holds no vllm package, patch_dir holds no series (or it lists a "
+      "missing patch) or a file cannot be read; TypeError for arguments that are not str.");
   // vLLM's general plugin group (vllm/plugins/__init__.py, DEFAULT_PLUGINS_GROUP "vllm.general_plugins", entry point in
   // pyproject.toml): load_general_plugins() calls it once per vLLM process at start-up (vllm/v1/engine/core.py,
   // vllm/engine/arg_utils.py, vllm/v1/worker/worker_base.py), whichever attention backend is selected. On a vLLM the

@@ -366,6 +366,14 @@ std::string format_verified(const Verified& v) {
   return "v1;vllm=" + v.vllm_version + ";state=" + v.state + ";tree=" + v.tree + ";series=" + v.series_dir;
 }
 
+Verified verified_now(const std::string& root, const Series& series) {
+  return {series_vllm_version(), state_digest(root, series), root, series.directory};
+}
+
+std::string verified_marker(const std::string& root, const Series& series) {
+  return format_verified(verified_now(root, series));
+}
+
 Verified parse_verified(const std::string& value) {
   const std::string shown = value.size() > 300 ? value.substr(0, 300) + "..." : value;
   const auto bad = [&](const std::string& why) {

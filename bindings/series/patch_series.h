@@ -147,6 +147,16 @@ struct Verified {
 /// that is not absolute or holds ';' or a control character): then no marker is exported and every process checks.
 std::string format_verified(const Verified& v);
 
+/// What a passed check of `series` on the tree whose root is `root` vouches for, from the files as they are now (no
+/// check runs, no git): {series_vllm_version(), state_digest(root, series), root, series.directory}. `root` is taken as
+/// given: pass tree_root()'s real path. Throws PatchError as state_digest does.
+Verified verified_now(const std::string& root, const Series& series);
+
+/// The ACTIVEKV_PATCH_VERIFIED value for `root` and `series` now: format_verified(verified_now(root, series)), the value
+/// the launcher exports after its check passed ("" where a path cannot be written in it). Throws PatchError as
+/// state_digest does.
+std::string verified_marker(const std::string& root, const Series& series);
+
 /// Parses a value of format_verified's form. Throws PatchError naming the variable, the expected form and the value.
 Verified parse_verified(const std::string& value);
 
