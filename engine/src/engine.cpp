@@ -241,9 +241,9 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
     forward_native(L, host, rows, scale);
   } else {  // one unit admitted and computed at a time
     for (auto& w : rows) {
-      for (size_t u = 0; u < w.units.size(); ++u) {
+      for (size_t u = 0; u < w.num_units(); ++u) {
         TilePins pins{L, {}};
-        const auto slots = admit_unit(L, host, w.units[u], pins.slots);
+        const auto slots = admit_unit(L, host, w.unit(u), pins.slots);
         if (w.sel.has_value()) {
           attend_selected(L, w, slots, scale);
         } else {
@@ -295,9 +295,8 @@ std::vector<Engine::RowWork> Engine::plan_rows(LayerState& L, const StepPlan& pl
     w.st = online_softmax_init(g.num_kv_heads, w.qg.size(1), g.head_size, device_);
     if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
       w.sel = select_row(L, block_row, nb, r, q);
-      w.units.push_back(w.sel->union_blocks);
     } else {
-      w.units = exact_tiles(block_row, nb, g.tile_blocks);
+      w.tiles = exact_tiles(block_row, nb, g.tile_blocks);
     }
   }
   return rows;
@@ -536,8 +535,8 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, std::vector<R
   for (size_t i = 0; i < rows.size(); ++i) {
     RowWork& w = rows[i];
     Round& rr = round[i];
-    for (size_t u = 0; u < w.units.size(); ++u) {
-      const auto& blocks = w.units[u];
+    for (size_t u = 0; u < w.num_units(); ++u) {
+      const auto& blocks = w.unit(u);
       // Run the round first when the unit does not fit beside the held ones.
       if (!pins.slots.empty() && static_cast<int64_t>(blocks.size()) > pool - L.pinned_slots) run_round();
       const auto slots = admit_unit(L, host, blocks, pins.slots);

@@ -136,7 +136,10 @@ class Engine {
     at::Tensor qg;  ///< [KVH, G * lq, D] float32 from group_query (contiguous where a kernel reads it by pointer)
     OnlineSoftmax st;
     std::optional<RowSelection> sel;          ///< compressed decode rows only
-    std::vector<std::vector<int64_t>> units;  ///< block ids of each admission unit
+    std::vector<std::vector<int64_t>> tiles;  ///< exact rows: block ids of each tile; empty for a compressed row
+    size_t num_units() const { return sel ? 1 : tiles.size(); }
+    /// Block ids of admission unit u < num_units(): the selection's union (compressed row), else tile u.
+    const std::vector<int64_t>& unit(size_t u) const { return sel ? sel->union_blocks : tiles[u]; }
   };
   std::vector<RowWork> plan_rows(LayerState& L, const StepPlan& plan, const at::Tensor& query);
   /// Admit one unit's blocks: admit_tile, the slots appended to `pinned` (the caller's pins, released even if the copy
