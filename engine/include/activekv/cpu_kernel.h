@@ -30,8 +30,9 @@ struct AttendArgs {
   int64_t first_query_pos = 0;  ///< position of query token 0; token i sits at first_query_pos + i (causal limit)
   double scale = 1.0;         ///< softmax scale, applied to q . k
   const float* q = nullptr;   ///< [rows, head_size] float32
-  /// [rows, head_size] q rounded to bfloat16, given with bfloat16 KV (scored with AVX512-BF16 dot products where the
-  /// processor has them, else q is widened K's partner as for the other dtypes); null otherwise
+  /// [rows, head_size] q rounded to bfloat16, given with bfloat16 KV: K is scored against it with AVX512-BF16 dot
+  /// products where the processor has them, else K is widened to float32 and scored against q, as for the other
+  /// dtypes; null otherwise
   const at::BFloat16* q_bf16 = nullptr;
   int64_t num_blocks = 0;
   int64_t chunk_blocks = 1;  ///< blocks per online-softmax merge (the geometry's tile_blocks); the last may be short
