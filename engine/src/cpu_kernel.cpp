@@ -54,6 +54,15 @@ void quest_scores_cpu(const QuestArgs& args, int64_t begin, int64_t end) {
   }
 }
 
+bool cpu_kernel_uses_bf16_query(int64_t head_size) {
+  switch (capability()) {
+    case Cap::kAvx512: return cpu_kernel::AVX512::uses_bf16_query(head_size);
+    case Cap::kAvx2: return cpu_kernel::AVX2::uses_bf16_query(head_size);
+    case Cap::kDefault: return cpu_kernel::DEFAULT::uses_bf16_query(head_size);
+  }
+  return false;
+}
+
 const char* cpu_kernel_capability() {
   switch (capability()) {
     case Cap::kAvx512: return "avx512";

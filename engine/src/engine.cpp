@@ -465,10 +465,10 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, std::vector<R
   struct Round {
     std::vector<int64_t> slots, pos;
     int64_t head_stride = 0;
-    at::Tensor q_bf16;  // [KVH, rows, D] the query rounded to bfloat16 (bfloat16 KV): exact, it was widened from it
+    at::Tensor q_bf16;  // [KVH, rows, D] the query rounded to bfloat16 (exact: it was widened from it), where read
   };
   std::vector<Round> round(rows.size());
-  if (g.dtype == at::kBFloat16)
+  if (g.dtype == at::kBFloat16 && cpu_kernel_uses_bf16_query(d))
     for (size_t i = 0; i < rows.size(); ++i) round[i].q_bf16 = rows[i].qg.to(at::kBFloat16).contiguous();
   TilePins pins{L, {}};  // the round's slots in admission order
   int64_t round_tiles = 0;

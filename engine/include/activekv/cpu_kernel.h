@@ -30,9 +30,9 @@ struct AttendArgs {
   int64_t first_query_pos = 0;  ///< position of query token 0; token i sits at first_query_pos + i (causal limit)
   double scale = 1.0;         ///< softmax scale, applied to q . k
   const float* q = nullptr;   ///< [rows, head_size] float32
-  /// [rows, head_size] q rounded to bfloat16, given with bfloat16 KV: K is scored against it with AVX512-BF16 dot
-  /// products where the processor has them, else K is widened to float32 and scored against q, as for the other
-  /// dtypes; null otherwise
+  /// [rows, head_size] q rounded to bfloat16, read only with bfloat16 KV where cpu_kernel_uses_bf16_query(head_size):
+  /// K is scored against it with AVX512-BF16 dot products. Elsewhere K is widened to float32 and scored against q, as
+  /// for the other dtypes, and this may be null
   const at::BFloat16* q_bf16 = nullptr;
   int64_t num_blocks = 0;
   int64_t chunk_blocks = 1;  ///< blocks per online-softmax merge (the geometry's tile_blocks); the last may be short
@@ -71,6 +71,11 @@ void quest_scores_cpu(const QuestArgs& args, int64_t begin, int64_t end);
 /// The capability attend_blocks_cpu uses: "avx512", "avx2" or "default".
 const char* cpu_kernel_capability();
 
+/// Whether attend_blocks_cpu reads AttendArgs::q_bf16 for bfloat16 KV of this head size: the capability in use is
+/// AVX512, the processor has AVX512-BF16 and head_size is a multiple of 16. When false the kernel never reads q_bf16,
+/// so a caller need not round the query to bfloat16 (it passes null).
+bool cpu_kernel_uses_bf16_query(int64_t head_size);
+
 /// Distinct threads that ran `n` tasks of grain 1 through at::parallel_for inside the engine library (the call the
 /// kernel and the Quest scoring make), with the caller's intra-op thread count. at::parallel_for is a header template:
 /// in a library built without OpenMP it runs every range on the calling thread, so this returns 1 whatever the thread
@@ -79,9 +84,9 @@ int64_t parallel_for_threads(int64_t n);
 
 namespace cpu_kernel {
 // One definition per capability (engine/src/cpu/attend_kernel.cpp compiled three times).
-namespace DEFAULT { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); }
-namespace AVX2 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); }
-namespace AVX512 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); }
+namespace DEFAULT { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); }
+namespace AVX2 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); }
+namespace AVX512 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); }
 }  // namespace cpu_kernel
 
 }  // namespace activekv

@@ -264,10 +264,7 @@ void attend(const AttendArgs& a) {
   thread_local std::vector<int64_t> valid;
   s.resize(kRowBlock * cmax * bs);
   valid.resize(kRowBlock * cmax);
-  const at::BFloat16* qb = nullptr;
-#if defined(CPU_CAPABILITY_AVX512)
-  if (std::is_same_v<T, at::BFloat16> && has_bf16_dot() && d % 16 == 0) qb = a.q_bf16;  // its tail handles 16 values
-#endif
+  const at::BFloat16* qb = std::is_same_v<T, at::BFloat16> && uses_bf16_query(d) ? a.q_bf16 : nullptr;
   for (int64_t c0 = 0; c0 < a.num_blocks; c0 += cmax) {
     const int64_t cb = std::min(cmax, a.num_blocks - c0);
     int64_t r0 = 0;
@@ -283,6 +280,16 @@ void attend(const AttendArgs& a) {
 }
 
 }  // namespace
+
+bool uses_bf16_query(int64_t head_size) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return has_bf16_dot() && head_size % 16 == 0;  // score_keys_bf16_dot's tail handles 16 values
+#else
+  (void)head_size;
+  return false;
+#endif
+}
+
 void attend_blocks(const AttendArgs& args) {
   switch (args.dtype) {
     case at::kFloat: return attend<float>(args);
