@@ -1,5 +1,6 @@
-"""Helpers for tests that run vLLM's command line out of process (`activekv serve|run-batch`, and vLLM's own CLI as
-the reference): a free loopback port, vLLM's own CLI command, start a server in its own process group and wait until
+"""Helpers for tests that run vLLM, or its command line, out of process (`activekv serve|run-batch`, vLLM's own CLI as
+the reference, `python -c CODE` importing a given vLLM): a child's environment without what the test controls, one
+`python -c` run, a free loopback port, vLLM's own CLI command, start a server in its own process group and wait until
 it answers HTTP, and the processes left in a group."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import psutil
@@ -29,11 +30,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def child_env(*drop: str, **extra: str) -> dict[str, str]:
+    """This process's environment without the variables named in ``drop``, with ``extra`` set: a child process then
+    never inherits, from the shell that ran pytest, a variable the test means to control (set or unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, *args: str, env: dict[str, str] | None = None, python: str | Path = sys.executable,
+               flags: Sequence[str] = (), timeout: float = 300, cwd: Path | None = None) -> str:
+    """Run ``python [flags] -c code args...`` (this venv's interpreter unless told) under ``env`` (default: this
+    process's); assert that it exited 0, showing the tail of its stderr otherwise; return its stdout."""
+    done = subprocess.run([str(python), *flags, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def vllm_env(**extra: str) -> dict[str, str]:
     """The environment vLLM runs under in these tests: offline, 1 GiB of KV cache, unbuffered, engine core spawned."""
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **extra)
-    return env
+    return child_env("VLLM_ENABLE_V1_MULTIPROCESSING", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+                     PYTHONUNBUFFERED="1", **extra)
 
 
 def stock_vllm_env(site_packages: Path) -> dict[str, str]:

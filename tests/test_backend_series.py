@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import re
 import shutil
 import signal
@@ -28,6 +27,7 @@ import torch  # noqa: F401  (the native modules use torch's types: torch first)
 
 from activekv import _backend
 from tests import vllm_tree
+from tests.serving import child_env, run_python
 from tools.vllm_patch import DEFAULT_PATCHES, Series
 
 REPO = Path(__file__).resolve().parents[1]
@@ -209,9 +209,8 @@ def test_a_process_ignoring_sigchld_is_an_error_not_a_pass(tmp_path: Path) -> No
     site = vllm_tree.copy_as_installed(tmp_path / "site")
     code = ("import signal, sys, torch; from activekv import _backend; signal.signal(signal.SIGCHLD, signal.SIG_IGN)\n"
             "try:\n    _backend.check_patch_series(sys.argv[1])\nexcept RuntimeError as e:\n    print(e)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(site)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "cannot wait for git" in done.stdout and "is SIGCHLD ignored in this process?" in done.stdout, done.stdout
+    out = run_python(code, str(site), timeout=120)
+    assert "cannot wait for git" in out and "is SIGCHLD ignored in this process?" in out, out
     assert signal.getsignal(signal.SIGCHLD) != signal.SIG_IGN  # this process was left alone
 
 
@@ -258,13 +257,18 @@ for make in (lambda: _backend.Impl(4, 32, 0.1, 2), lambda: _backend.Builder(spec
 """
 
 
+def over_site(code: str, site: Path, *args: str, drop: tuple[str, ...] = (), timeout: float = 300,
+              **extra: str) -> list[str]:
+    """The lines ``code`` prints in a new interpreter that imports vLLM from ``site`` (its sys.argv[1]; ``args``
+    follow), with ``extra`` set and neither the patch check's escape hatch nor the launcher's marker inherited, nor any
+    variable in ``drop``; it must exit 0."""
+    env = child_env("ACTIVEKV_SKIP_PATCH_CHECK", VERIFIED, *drop, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO),
+                    **extra)
+    return run_python(code, str(site), *args, env=env, timeout=timeout, cwd=REPO).splitlines()
+
+
 def start_up(site: Path, **extra: str) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("ACTIVEKV_SKIP_PATCH_CHECK", VERIFIED)}
-    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO), **extra)
-    done = subprocess.run([sys.executable, "-c", STARTUP, str(site)], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
+    return over_site(STARTUP, site, **extra)
 
 
 def test_startup_on_the_imported_linked_vllm_passes_then_fails_once_a_patch_is_changed(tmp_path: Path) -> None:
@@ -421,8 +425,7 @@ def test_startup_without_vllm_imported_checks_nothing() -> None:
     """The bindings driven directly (tests, tools): no vLLM in sys.modules, nothing to compare with."""
     code = ("import sys, torch; from activekv import _backend; _backend.Impl(4, 32, 0.1, 2); "
             "print('vllm' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+    assert run_python(code, timeout=120).strip() == "False"
 
 
 ENGINE = """
@@ -447,14 +450,9 @@ def test_llm_with_activekv_on_a_vllm_patched_by_another_series_fails_at_start_up
 
     model = make_tiny_model(REPO / "build" / "tiny-llama")
     site = linked_vllm(tmp_path / "site")
-    env = {k: v for k, v in os.environ.items() if k != "ACTIVEKV_SKIP_PATCH_CHECK"}
-    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO), VLLM_LOGGING_LEVEL="ERROR")
 
     def run() -> list[str]:
-        done = subprocess.run([sys.executable, "-c", ENGINE, str(site), str(model)], capture_output=True, text=True,
-                              timeout=600, env=env, cwd=REPO)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done.stdout.splitlines()
+        return over_site(ENGINE, site, str(model), timeout=600, VLLM_LOGGING_LEVEL="ERROR")
 
     assert run()[-1] == "started"
     module = site / MODULE
@@ -482,12 +480,7 @@ print("started")
 
 
 def general_plugin(site: Path) -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("ACTIVEKV_SKIP_PATCH_CHECK", VERIFIED, "VLLM_PLUGINS")}
-    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-c", PLUGIN, str(site)], capture_output=True, text=True, timeout=300,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.splitlines()
+    return over_site(PLUGIN, site, drop=("VLLM_PLUGINS",))
 
 
 def test_the_general_plugin_warns_with_the_fix_on_an_unpatched_vllm_and_never_stops_it(tmp_path: Path) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes.util
 import hashlib
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -26,6 +25,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests import vllm_tree  # noqa: E402
+from tests.serving import child_env, run_python  # noqa: E402
 from tools.vllm_patch import DEFAULT_PATCHES, Series  # noqa: E402
 
 LAUNCHER = Path(sys.executable).parent / "activekv"
@@ -45,9 +45,8 @@ pytestmark = pytest.mark.skipif(not LAUNCHER.is_file(), reason=f"no {LAUNCHER}: 
 
 
 def akv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(LAUNCHER), *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
-    )
+    return subprocess.run([str(LAUNCHER), *args], capture_output=True, text=True, timeout=120,
+                          env=child_env(**(env or {})))
 
 
 def digest(root: Path) -> dict[str, str]:
@@ -296,8 +295,7 @@ def loader_libpython_version() -> str | None:
         return None
     probe = "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).Py_GetVersion; f.restype = ctypes.c_char_p; " \
             "print(f().decode().split()[0])"
-    return subprocess.run([sys.executable, "-c", probe, paths[0]], capture_output=True, text=True, check=True
-                          ).stdout.strip()
+    return run_python(probe, paths[0]).strip()
 
 
 def assert_clean_error(done: subprocess.CompletedProcess[str], *parts: str) -> None:
@@ -335,8 +333,8 @@ def test_a_venv_whose_base_interpreter_has_no_libpython_is_a_clear_error(tmp_pat
     if found == version:
         pytest.skip(f"the loader's {SONAME} is this interpreter's build ({version}): the launcher would rightly use it")
     launcher = fake_venv(tmp_path / "venv", tmp_path / "base" / "bin", version)
-    env = {k: v for k, v in os.environ.items() if k != "ACTIVEKV_LIBPYTHON"}
-    done = subprocess.run([str(launcher), "serve", "--help"], capture_output=True, text=True, timeout=60, env=env)
+    done = subprocess.run([str(launcher), "serve", "--help"], capture_output=True, text=True, timeout=60,
+                          env=child_env("ACTIVEKV_LIBPYTHON"))
     where = f"No {SONAME} in {tmp_path / 'base' / 'lib'} (the base interpreter of the venv's pyvenv.cfg)"
     if found is None:
         assert_clean_error(done, "activekv: error: cannot load the environment's libpython: ", where)
@@ -474,8 +472,8 @@ def serving_env(tmp_path: Path):
 
 
 def serve(launcher: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k != VERIFIED}
-    return subprocess.run([str(launcher), *args], capture_output=True, text=True, timeout=300, env={**base, **env})
+    return subprocess.run([str(launcher), *args], capture_output=True, text=True, timeout=300,
+                          env=child_env(VERIFIED, **env))
 
 
 def installed_series(site: Path) -> Series:
@@ -608,17 +606,15 @@ def path_env(serving_env, tmp_path: Path):
     python = launcher.parent / f"python{PY_MINOR}"
 
     def run(pythonpath: str | None) -> tuple[dict, dict, dict]:
-        env = {k: v for k, v in os.environ.items() if k not in (VERIFIED, "PYTHONPATH", "PYTHONSAFEPATH")}
-        if pythonpath is not None:
-            env["PYTHONPATH"] = pythonpath
+        env = child_env(VERIFIED, "PYTHONPATH", "PYTHONSAFEPATH", **({} if pythonpath is None else
+                                                                     {"PYTHONPATH": pythonpath}))
         done = subprocess.run([str(launcher), "serve", "--help"], capture_output=True, text=True, timeout=300,
                               env=env, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         seen = json.loads(done.stdout)
         # The launcher runs with safe_path (no script directory or cwd at sys.path[0]): compared with `python -P`.
-        plain = subprocess.run([str(python), "-P", "-c", PLAIN_VIEW], capture_output=True, text=True, timeout=120,
-                               env=env, cwd=tmp_path, check=True)
-        return seen["launcher"], seen["worker"], json.loads(plain.stdout)
+        plain = run_python(PLAIN_VIEW, python=python, flags=["-P"], env=env, timeout=120, cwd=tmp_path)
+        return seen["launcher"], seen["worker"], json.loads(plain)
     return launcher, site, run
 
 
@@ -686,8 +682,13 @@ def fake_distribution(site: Path, name: str, groups: dict[str, list[str]]) -> No
 
 
 def plugins(env: dict[str, str], unset: bool = True) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not (unset and k == "VLLM_PLUGINS")}
-    return subprocess.run([str(LAUNCHER), "plugins"], capture_output=True, text=True, timeout=60, env={**base, **env})
+    return subprocess.run([str(LAUNCHER), "plugins"], capture_output=True, text=True, timeout=60,
+                          env=child_env(*(["VLLM_PLUGINS"] if unset else []), **env))
+
+
+# vLLM's own lookup of its general plugins (vllm/plugins/__init__.py: importlib.metadata's entry points of the group).
+GENERAL_PLUGINS = ("import importlib.metadata as m; print(sorted(e.name for e in "
+                   "m.entry_points(group='vllm.general_plugins')))")
 
 
 def allowlist(done: subprocess.CompletedProcess[str]) -> list[str]:
@@ -717,15 +718,12 @@ def test_plugins_reads_an_empty_pythonpath_entry_as_the_cwd(tmp_path: Path, pyth
     plugin distribution found in it: the allowlist names it too (the scan used to skip empty entries). An empty
     $PYTHONPATH is no entry at all."""
     fake_distribution(tmp_path, "here", {"vllm.general_plugins": ["here_general"]})
-    base = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
 
     def names(value: str) -> list[str]:
         return allowlist(subprocess.run([str(LAUNCHER), "plugins"], capture_output=True, text=True, timeout=60,
-                                        env={**base, "PYTHONPATH": value}, cwd=tmp_path))
+                                        env=child_env("VLLM_PLUGINS", PYTHONPATH=value), cwd=tmp_path))
 
-    found = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; print(sorted(e.name for e in "
-                            "m.entry_points(group='vllm.general_plugins')))"], capture_output=True, text=True,
-                           timeout=60, env={**base, "PYTHONPATH": pythonpath}, cwd=tmp_path, check=True).stdout
+    found = run_python(GENERAL_PLUGINS, env=child_env("VLLM_PLUGINS", PYTHONPATH=pythonpath), timeout=60, cwd=tmp_path)
     assert "here_general" in found  # what vLLM's own lookup finds
     assert "here_general" in names(pythonpath)
     assert "here_general" not in names("") and "here_general" not in names("/no/such/dir")
@@ -739,11 +737,8 @@ def test_plugins_reads_pth_lines_as_site_py_does(serving_env) -> None:
     fake_distribution(site / "importantdir", "imp", {"vllm.general_plugins": ["imp_general"]})
     fake_distribution(site / "tabbed", "tab", {"vllm.general_plugins": ["tab_general"]})
     (site / "extra.pth").write_text("# a comment\n   \t\nimport os\nimportantdir\ntabbed\t \n")
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PYTHONPATH")}
-    python = launcher.parent / f"python{PY_MINOR}"
-    found = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(sorted(e.name for e in "
-                            "m.entry_points(group='vllm.general_plugins')))"], capture_output=True, text=True,
-                           timeout=60, env=env, check=True).stdout
+    env = child_env("VLLM_PLUGINS", "PYTHONPATH")
+    found = run_python(GENERAL_PLUGINS, python=launcher.parent / f"python{PY_MINOR}", env=env, timeout=60)
     assert "imp_general" in found and "tab_general" in found, found  # what vLLM's own lookup finds
     names = allowlist(subprocess.run([str(launcher), "plugins"], capture_output=True, text=True, timeout=60, env=env))
     assert "imp_general" in names and "tab_general" in names, names
