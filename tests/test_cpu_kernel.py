@@ -31,12 +31,18 @@ def _cells() -> list[Cell]:
 CELLS = _cells()
 
 
-def run(cell: Cell, kernel: str, selections: list | None = None) -> tuple[list[torch.Tensor], dict]:
+def run(cell: Cell, kernel: str, selections: list | None = None,
+        tile_blocks: int | None = None) -> tuple[list[torch.Tensor], dict]:
     """Replay the cell on one engine; returns (every forward's output, counters). `selections`, if given, receives
-    every forward's compressed-mode selection per request row ({row: [num_kv_heads, per_head] block ids})."""
+    every forward's compressed-mode selection per request row ({row: [num_kv_heads, per_head] block ids});
+    `tile_blocks`, if given, replaces the cell's tile (the pool must hold it)."""
     nb = host_blocks_for(cell)
     kwargs = dict(cell.engine_kwargs(), kernel=kernel)
-    eng = backend.Engine(*cell.engine_args(), **kwargs)
+    args = cell.engine_args()
+    if tile_blocks is not None:
+        assert args[-2] > tile_blocks, "the pool must hold more than one tile"
+        args = (*args[:-1], tile_blocks)
+    eng = backend.Engine(*args, **kwargs)
     caches = [torch.zeros(nb, 2, cell.block_size, 2 * cell.head_size, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
     outs = []
     for st in make_steps(cell, nb):
@@ -52,14 +58,14 @@ def run(cell: Cell, kernel: str, selections: list | None = None) -> tuple[list[t
     return outs, {k: v for k, v in snap.items() if k not in ("histograms", "info")}
 
 
-def run_aten_one_thread(cell: Cell) -> tuple[list[torch.Tensor], dict]:
+def run_aten_one_thread(cell: Cell, tile_blocks: int | None = None) -> tuple[list[torch.Tensor], dict]:
     """run(cell, "aten") with one intra-op thread (tests/parity_cells.py says why): at head size 40 / block 8, with two
     threads, the ATen path's first forward came out 1e-4 away from its own usual result in about 1 process in 20 (the
     native side did not move), a BLAS split rather than the engine; one thread fixes its summation order."""
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        return run(cell, "aten")
+        return run(cell, "aten", tile_blocks=tile_blocks)
     finally:
         torch.set_num_threads(threads)
 
@@ -85,6 +91,24 @@ ODD_CELLS = [Cell(dtype, 40, 4, 8, context, streaming, 2, True, mode=mode)
 def test_native_kernel_off_the_vector_width_within_tolerance(cell: Cell) -> None:
     native, snap_n = run(cell, "native")
     aten, snap_a = run_aten_one_thread(cell)
+    assert snap_n == snap_a and len(native) == len(aten) > 0
+    tol = TOLERANCE[cell.dtype]
+    for i, (a, b) in enumerate(zip(native, aten)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{cell.id} forward {i}: {m}")
+
+
+# Tiles of 8 blocks of 32 keys at head size 128: a chunk's V (32-128 KiB) outgrows the kernel's L1 bound, so P x V runs
+# block by block (the parity cells' 2-block tiles keep every chunk's V within it and walk the chunk per vector of the
+# head); rows of fewer blocks than a tile still take the other loop. Prefill and decode rows, exact and compressed.
+LARGE_TILE_CELLS = [Cell(dtype, 128, 4, 32, context, False, 3, True, mode=mode)
+                    for dtype in (torch.float32, torch.bfloat16)
+                    for context, mode in (("unaligned", "exact"), ("multiple", "compressed"))]
+
+
+@pytest.mark.parametrize("cell", LARGE_TILE_CELLS, ids=[c.id for c in LARGE_TILE_CELLS])
+def test_native_kernel_with_large_tiles_within_tolerance(cell: Cell) -> None:
+    native, snap_n = run(cell, "native", tile_blocks=8)
+    aten, snap_a = run_aten_one_thread(cell, tile_blocks=8)
     assert snap_n == snap_a and len(native) == len(aten) > 0
     tol = TOLERANCE[cell.dtype]
     for i, (a, b) in enumerate(zip(native, aten)):

@@ -150,6 +150,48 @@ inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
   return std::min<int64_t>(a.block_size, std::max<int64_t>(0, qpos - key0 + 1));
 }
 
+// Bytes of a chunk's V up to which P x V walks the whole chunk once per vector of the head (below L1d's 48 KiB on
+// the processors measured: docs/benchmarks.md, "Issue 9, sixth session").
+constexpr int64_t kChunkVInL1 = 32 * 1024;
+
+// acc[i][j + u * kW ..] += sum over t < lim[i] of p[i * nk + t] * v[t, j + u * kW ..] for the RB rows and NJ vectors
+// of the head (one block's V; p: the rows' probabilities of the block's keys, row stride nk).
+template <typename T, int RB, int NJ>
+inline void pv_block(const T* v, int64_t d, int64_t j, const float* p, int64_t nk, const int64_t* lim,
+                     float* const* acc) {
+  int64_t vmax = 0, vmin = std::numeric_limits<int64_t>::max();
+  for (int i = 0; i < RB; ++i) {
+    vmax = std::max(vmax, lim[i]);
+    vmin = std::min(vmin, lim[i]);
+  }
+  if (vmax == 0) return;
+  Vec o[RB][NJ];
+  for (int i = 0; i < RB; ++i)
+    for (int u = 0; u < NJ; ++u) o[i][u] = Vec::loadu(acc[i] + j + u * kW);
+  if (vmin == vmax) {  // decode rows, and prefill rows past the block
+    for (int64_t t = 0; t < vmax; ++t) {
+      Vec vt[NJ];
+      for (int u = 0; u < NJ; ++u) vt[u] = load_float(v + t * d + j + u * kW);
+      for (int i = 0; i < RB; ++i) {
+        const Vec pt(p[i * nk + t]);
+        for (int u = 0; u < NJ; ++u) o[i][u] = at::vec::fmadd(pt, vt[u], o[i][u]);
+      }
+    }
+  } else {
+    for (int64_t t = 0; t < vmax; ++t) {
+      Vec vt[NJ];
+      for (int u = 0; u < NJ; ++u) vt[u] = load_float(v + t * d + j + u * kW);
+      for (int i = 0; i < RB; ++i) {
+        if (t >= lim[i]) continue;
+        const Vec pt(p[i * nk + t]);
+        for (int u = 0; u < NJ; ++u) o[i][u] = at::vec::fmadd(pt, vt[u], o[i][u]);
+      }
+    }
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int u = 0; u < NJ; ++u) o[i][u].store(acc[i] + j + u * kW);
+}
+
 // One chunk (blocks c0 .. c0 + cb - 1 of the args, at most chunk_blocks) for RB query rows r0 .. r0 + RB - 1: the
 // scores of every key of the chunk, then one online-softmax merge per row (running max, rescale of the accumulator,
 // probabilities), then the rows' accumulators walk the chunk's V one vector of the head at a time, the RB rows
@@ -213,35 +255,53 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
     a.l[r] = a.l[r] * alpha[i] + l;
     a.m[r] = m_new;
   }
-  // acc = acc * alpha + sum_t p_t v_t, one vector of the head at a time; a row reads only its visible keys' V.
+  // acc = acc * alpha + sum_t p_t v_t; a row reads only its visible keys' V. Per element the sum is acc * alpha, then
+  // the chunk's keys in order, whichever of the two loop orders runs (the same results from both).
   float* acc[RB];
   for (int i = 0; i < RB; ++i) acc[i] = a.acc + (r0 + i) * d;
   const int64_t dv = d - d % kW;
-  for (int64_t j = 0; j < dv; j += kW) {
-    Vec o[RB];
-    for (int i = 0; i < RB; ++i) o[i] = Vec::loadu(acc[i] + j) * Vec(alpha[i]);
+  if (cb * bs * d * static_cast<int64_t>(sizeof(T)) > kChunkVInL1) {
+    // The chunk's V outgrows L1 (64-128 KiB at head size 128): block by block, each block's V read once in address
+    // order, the rows' accumulators of one or two vectors of the head in registers over the block's keys.
+    for (int i = 0; i < RB; ++i)
+      for (int64_t j = 0; j < dv; j += kW) (Vec::loadu(acc[i] + j) * Vec(alpha[i])).store(acc[i] + j);
     for (int64_t c = 0; c < cb; ++c) {
-      const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d + j;
-      const float* p = s + c * bs;
-      int64_t vmax = 0, vmin = bs;
-      for (int i = 0; i < RB; ++i) {
-        vmax = std::max(vmax, valid[i * cb + c]);
-        vmin = std::min(vmin, valid[i * cb + c]);
-      }
-      if (vmin == vmax) {  // decode rows, and prefill rows past the block
-        for (int64_t t = 0; t < vmax; ++t) {
-          const Vec vt = load_float(v + t * d);
-          for (int i = 0; i < RB; ++i) o[i] = at::vec::fmadd(Vec(p[i * nk + t]), vt, o[i]);
-        }
-      } else {
-        for (int64_t t = 0; t < vmax; ++t) {
-          const Vec vt = load_float(v + t * d);
-          for (int i = 0; i < RB; ++i)
-            if (t < valid[i * cb + c]) o[i] = at::vec::fmadd(Vec(p[i * nk + t]), vt, o[i]);
-        }
-      }
+      const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d;
+      int64_t lim[RB];
+      for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
+      int64_t j = 0;
+      for (; j + 2 * kW <= dv; j += 2 * kW) pv_block<T, RB, 2>(v, d, j, s + c * bs, nk, lim, acc);
+      for (; j < dv; j += kW) pv_block<T, RB, 1>(v, d, j, s + c * bs, nk, lim, acc);
     }
-    for (int i = 0; i < RB; ++i) o[i].store(acc[i] + j);
+  } else {
+    // The chunk's V fits in L1 (small heads): one vector of the head at a time over the whole chunk, the accumulators
+    // loaded and stored once per chunk instead of once per block.
+    for (int64_t j = 0; j < dv; j += kW) {
+      Vec o[RB];
+      for (int i = 0; i < RB; ++i) o[i] = Vec::loadu(acc[i] + j) * Vec(alpha[i]);
+      for (int64_t c = 0; c < cb; ++c) {
+        const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d + j;
+        const float* p = s + c * bs;
+        int64_t vmax = 0, vmin = bs;
+        for (int i = 0; i < RB; ++i) {
+          vmax = std::max(vmax, valid[i * cb + c]);
+          vmin = std::min(vmin, valid[i * cb + c]);
+        }
+        if (vmin == vmax) {  // decode rows, and prefill rows past the block
+          for (int64_t t = 0; t < vmax; ++t) {
+            const Vec vt = load_float(v + t * d);
+            for (int i = 0; i < RB; ++i) o[i] = at::vec::fmadd(Vec(p[i * nk + t]), vt, o[i]);
+          }
+        } else {
+          for (int64_t t = 0; t < vmax; ++t) {
+            const Vec vt = load_float(v + t * d);
+            for (int i = 0; i < RB; ++i)
+              if (t < valid[i * cb + c]) o[i] = at::vec::fmadd(Vec(p[i * nk + t]), vt, o[i]);
+          }
+        }
+      }
+      for (int i = 0; i < RB; ++i) o[i].store(acc[i] + j);
+    }
   }
   for (int64_t j = dv; j < d; ++j) {  // head sizes that are not a multiple of kW
     for (int i = 0; i < RB; ++i) {
