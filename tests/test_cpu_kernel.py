@@ -70,14 +70,20 @@ def run_aten_one_thread(cell: Cell, tile_blocks: int | None = None) -> tuple[lis
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
-def test_native_kernel_within_tolerance_of_aten_path(cell: Cell) -> None:
-    native, snap_n = run(cell, "native")
-    aten, snap_a = run_aten_one_thread(cell)
-    assert snap_n == snap_a and len(native) == len(aten) > 0  # same admission, transfers, tiles and selections
+def assert_native_within_tolerance(cell: Cell, tile_blocks: int | None = None) -> None:
+    """The cell replayed with the native kernel and with the ATen path (one thread): the same counters (admission,
+    transfers, tiles, selections), at least one forward, every output within TOLERANCE of the dtype."""
+    native, snap_n = run(cell, "native", tile_blocks=tile_blocks)
+    aten, snap_a = run_aten_one_thread(cell, tile_blocks=tile_blocks)
+    assert snap_n == snap_a and len(native) == len(aten) > 0
     tol = TOLERANCE[cell.dtype]
     for i, (a, b) in enumerate(zip(native, aten)):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{cell.id} forward {i}: {m}")
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
+def test_native_kernel_within_tolerance_of_aten_path(cell: Cell) -> None:
+    assert_native_within_tolerance(cell)
 
 
 # Geometries off the vector width (the engine takes any; vLLM's backend only multiples of 16): block size 8 and head
@@ -89,12 +95,7 @@ ODD_CELLS = [Cell(dtype, 40, 4, 8, context, streaming, 2, True, mode=mode)
 
 @pytest.mark.parametrize("cell", ODD_CELLS, ids=[c.id for c in ODD_CELLS])
 def test_native_kernel_off_the_vector_width_within_tolerance(cell: Cell) -> None:
-    native, snap_n = run(cell, "native")
-    aten, snap_a = run_aten_one_thread(cell)
-    assert snap_n == snap_a and len(native) == len(aten) > 0
-    tol = TOLERANCE[cell.dtype]
-    for i, (a, b) in enumerate(zip(native, aten)):
-        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{cell.id} forward {i}: {m}")
+    assert_native_within_tolerance(cell)
 
 
 # Tiles of 8 blocks of 32 keys at head size 128: a chunk's V (32-128 KiB) outgrows the kernel's L1 bound, so P x V runs
@@ -107,12 +108,7 @@ LARGE_TILE_CELLS = [Cell(dtype, 128, 4, 32, context, False, 3, True, mode=mode)
 
 @pytest.mark.parametrize("cell", LARGE_TILE_CELLS, ids=[c.id for c in LARGE_TILE_CELLS])
 def test_native_kernel_with_large_tiles_within_tolerance(cell: Cell) -> None:
-    native, snap_n = run(cell, "native", tile_blocks=8)
-    aten, snap_a = run_aten_one_thread(cell, tile_blocks=8)
-    assert snap_n == snap_a and len(native) == len(aten) > 0
-    tol = TOLERANCE[cell.dtype]
-    for i, (a, b) in enumerate(zip(native, aten)):
-        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{cell.id} forward {i}: {m}")
+    assert_native_within_tolerance(cell, tile_blocks=8)
 
 
 SELECTING_CELLS = [c for c in random.Random(0).sample(compressed_cells(), 48) if c.selects]
