@@ -129,6 +129,51 @@ def test_native_selection_picks_the_same_blocks_as_the_aten_path(cell: Cell) -> 
         assert all(torch.equal(a[r], b[r]) for r in a), f"{cell.id} forward {i}"
 
 
+def run_many_selecting_rows(kernel: str, threads: int) -> tuple[torch.Tensor, dict, dict]:
+    """One compressed decode step of 8 rows (12 blocks of 16 keys each, budget 4 blocks: every row selects) after a
+    prefill that writes every row's KV; returns (output, selections {row: [KVH, 4] block ids}, counters)."""
+    kvh, gqa, d, bs, rows, nb = 2, 4, 64, 16, 8, 12
+    gen = torch.Generator().manual_seed(5)
+    block_table = torch.randperm(rows * nb, generator=gen).view(rows, nb).to(torch.int32)
+    slots = (block_table.long()[:, :, None] * bs + torch.arange(bs)).reshape(-1)  # every key of every row
+    k = torch.randn(rows * nb * bs, kvh, d, generator=gen)
+    v = torch.randn(rows * nb * bs, kvh, d, generator=gen)
+    q = torch.randn(rows, kvh * gqa, d, generator=gen)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        eng = backend.Engine(1, kvh * gqa, kvh, d, bs, torch.float32, 64, 2, mode="compressed",
+                             budget_tokens=4 * bs, sink_blocks=1, recent_blocks=1, kernel=kernel)
+        cache = torch.zeros(rows * nb, kvh, bs, 2 * d)
+        eng.update_kv(0, k, v, cache, slots)
+        last = torch.arange(rows) * nb * bs + nb * bs - 1  # each row's decode token: its last key
+        plan = eng.build(torch.arange(rows + 1, dtype=torch.int32), torch.full((rows,), nb * bs, dtype=torch.int32),
+                         block_table, rows)
+        eng.update_kv(0, k[last], v[last], cache, slots[last])
+        out = torch.full_like(q, 7.0)
+        eng.forward(0, plan, q, cache, out, d ** -0.5)
+        snap = eng.snapshot()
+    finally:
+        torch.set_num_threads(saved)
+    return out, eng.selection(0), {k: v for k, v in snap.items() if k not in ("histograms", "info")}
+
+
+def test_many_selecting_rows_choose_as_row_by_row() -> None:
+    """With at least two compressed decode rows per thread the native path chooses all rows' blocks in one parallel
+    region, a row per task (engine.cpp plan_rows); the ATen path chooses row by row. Same blocks per row and KV head,
+    same counters, outputs within tolerance, and the native output bit-identical for 1 and 2 threads."""
+    native2, sel_native, snap_native = run_many_selecting_rows("native", 2)
+    native1, sel_native1, _ = run_many_selecting_rows("native", 1)
+    aten, sel_aten, snap_aten = run_many_selecting_rows("aten", 1)
+    assert sorted(sel_native) == sorted(sel_aten) == list(range(8))
+    assert all(torch.equal(sel_native[r], sel_aten[r]) and torch.equal(sel_native1[r], sel_aten[r]) for r in sel_aten)
+    assert snap_native == snap_aten and snap_native["compressed_rows"] == 8
+    assert not torch.equal(native2, torch.full_like(native2, 7.0))
+    assert torch.equal(native1, native2)
+    tol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(native2, aten, atol=tol, rtol=tol)
+
+
 def test_native_kernel_is_bit_identical_run_to_run_and_across_thread_counts() -> None:
     cell = Cell(torch.float32, 128, 4, 16, "unaligned", True, 3, True)
     threads = torch.get_num_threads()

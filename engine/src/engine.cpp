@@ -280,6 +280,13 @@ std::vector<Engine::RowWork> Engine::plan_rows(LayerState& L, const StepPlan& pl
   const int64_t width = plan.block_table.size(1), budget_blocks = selection_.per_head();
   std::vector<RowWork> rows;
   rows.reserve(plan.num_reqs);
+  struct Selecting {
+    size_t work;  // index in rows
+    int64_t r, nb;
+    const int32_t* block_row;
+    at::Tensor q;
+  };
+  std::vector<Selecting> selecting;
   for (int64_t r = 0; r < plan.num_reqs; ++r) {
     const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
     if (lq == 0) continue;
@@ -294,11 +301,29 @@ std::vector<Engine::RowWork> Engine::plan_rows(LayerState& L, const StepPlan& pl
     if (use_native() || use_cuda_kernel(w.qg.size(1))) w.qg = w.qg.contiguous();  // read by pointer
     w.st = online_softmax_init(g.num_kv_heads, w.qg.size(1), g.head_size, device_);
     if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
-      w.sel = select_row(L, block_row, nb, r, q);
+      selecting.push_back({rows.size() - 1, r, nb, block_row, q});
     } else {
       w.tiles = exact_tiles(block_row, nb, g.tile_blocks);
     }
   }
+  // Compressed decode rows: score and choose (Quest bound, top-k), then record in row order. With at least two such
+  // rows per thread on the CPU kernel, one parallel region chooses for all of them, a row per task (each row's scoring
+  // then runs on its task's thread); otherwise row by row, each row's scoring split over the threads. Each block's
+  // score is computed alone in a fixed order either way, so the choices are the same.
+  std::vector<RowChoice> choices(selecting.size());
+  const auto choose = [&](size_t i) {
+    choices[i] = choose_row(L, selecting[i].block_row, selecting[i].nb, selecting[i].q);
+  };
+  const int64_t n = static_cast<int64_t>(selecting.size());
+  if (use_native() && n >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) choose(static_cast<size_t>(i));
+    });
+  } else {
+    for (size_t i = 0; i < selecting.size(); ++i) choose(i);
+  }
+  for (size_t i = 0; i < selecting.size(); ++i)
+    rows[selecting[i].work].sel = select_row(L, selecting[i].block_row, selecting[i].r, choices[i]);
   return rows;
 }
 
@@ -343,23 +368,27 @@ void Engine::attend_tile(LayerState& L, RowWork& w, int64_t tile, const std::vec
   telemetry_.add(Counter::kTilesComputed);
 }
 
-Engine::RowSelection Engine::select_row(LayerState& L, const int32_t* row, int64_t nb, int64_t r,
-                                        const at::Tensor& q) {
-  const int64_t kvh = geometry().num_kv_heads, m = selection_.per_head();
+Engine::RowChoice Engine::choose_row(const LayerState& L, const int32_t* row, int64_t nb, const at::Tensor& q) const {
   const std::vector<int64_t> ids(row, row + nb);
-  const auto row_blocks = index_tensor(ids, at::kCPU);  // one copy on CPU, a second only for a device pool
-  auto pos = select_blocks(q, L.key_min, L.key_max, device_.is_cpu() ? row_blocks : index_tensor(ids, device_),
-                          selection_, /*native_scores=*/use_native());  // [KVH, m] positions
+  RowChoice c;
+  c.row_blocks = index_tensor(ids, at::kCPU);  // one copy on CPU, a second only for a device pool
+  c.pos = select_blocks(q, L.key_min, L.key_max, device_.is_cpu() ? c.row_blocks : index_tensor(ids, device_),
+                        selection_, /*native_scores=*/use_native());  // [KVH, m] positions
+  return c;
+}
+
+Engine::RowSelection Engine::select_row(LayerState& L, const int32_t* row, int64_t r, const RowChoice& choice) {
+  const int64_t kvh = geometry().num_kv_heads, m = selection_.per_head(), nb = choice.row_blocks.size(0);
   RowSelection sel;
-  sel.pos = pos;
-  sel.pos_cpu = pos.to(at::kCPU).contiguous();
+  sel.pos = choice.pos;
+  sel.pos_cpu = choice.pos.to(at::kCPU).contiguous();
   const int64_t* pp = sel.pos_cpu.data_ptr<int64_t>();
   // The pool admits the union of the heads' blocks, in position order, all pinned while the row attends.
   sel.union_pos.assign(pp, pp + kvh * m);
   std::sort(sel.union_pos.begin(), sel.union_pos.end());
   sel.union_pos.erase(std::unique(sel.union_pos.begin(), sel.union_pos.end()), sel.union_pos.end());
   for (int64_t p : sel.union_pos) sel.union_blocks.push_back(row[p]);
-  L.last_selection.emplace_back(r, row_blocks.index_select(0, sel.pos_cpu.view({-1})).view({kvh, m}));
+  L.last_selection.emplace_back(r, choice.row_blocks.index_select(0, sel.pos_cpu.view({-1})).view({kvh, m}));
   telemetry_.add(Counter::kCompressedRows);
   telemetry_.add(Counter::kCompressedContextBlocks, nb);
   telemetry_.add(Counter::kSelectedBlocks, kvh * m);

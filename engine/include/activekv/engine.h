@@ -127,7 +127,15 @@ class Engine {
     /// Pool slot of every (head, selected block), [KVH * m], given the union's slots (in union order).
     std::vector<int64_t> head_slots(const std::vector<int64_t>& union_slots, int64_t kvh) const;
   };
-  RowSelection select_row(LayerState& L, const int32_t* row, int64_t nb, int64_t r, const at::Tensor& q);
+  /// The scoring half of a row's selection: the row's block ids (CPU int64 [nb]) and the chosen [KVH, m] positions
+  /// (on the engine's device). Reads the layer's key metadata only, records nothing: plan_rows may run it for several
+  /// rows at once (one row per task).
+  struct RowChoice {
+    at::Tensor row_blocks, pos;
+  };
+  RowChoice choose_row(const LayerState& L, const int32_t* row, int64_t nb, const at::Tensor& q) const;
+  /// The recording half: the union, the layer's last selection and the compressed counters of request row r.
+  RowSelection select_row(LayerState& L, const int32_t* row, int64_t r, const RowChoice& choice);
   /// A request row of a forward that has query tokens, planned once for every kernel path (plan_rows): its query per
   /// KV head, its online-softmax state and its admission units in the order they are admitted (an exact row: its
   /// tiles of tile_blocks blocks; a compressed decode row: one unit, the union of its heads' selections).
