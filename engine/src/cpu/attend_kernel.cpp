@@ -359,6 +359,30 @@ void attend_blocks(const AttendArgs& args) {
   }
 }
 
+namespace {
+// The bounds of N query heads of a KV head's group for one block: r[u] = relu(q_u) . max + min(q_u, 0) . min. The N
+// heads share each load of the block's min and max; each head sums its positive and negative parts in two vector
+// accumulators (2N independent chains, instead of one chain of 2 * head_size / kW dependent fused multiply-adds per
+// head), added before the one horizontal sum; a head size off the vector width ends with a scalar tail.
+template <int N>
+inline void group_bounds(const float* qp, const float* qn, const float* mn, const float* mx, int64_t d, float* r) {
+  Vec sp[N], sn[N];
+  for (int u = 0; u < N; ++u) sp[u] = sn[u] = Vec(0.f);
+  int64_t j = 0;
+  for (; j + kW <= d; j += kW) {
+    const Vec vmx = Vec::loadu(mx + j), vmn = Vec::loadu(mn + j);
+    for (int u = 0; u < N; ++u) {
+      sp[u] = at::vec::fmadd(Vec::loadu(qp + u * d + j), vmx, sp[u]);
+      sn[u] = at::vec::fmadd(Vec::loadu(qn + u * d + j), vmn, sn[u]);
+    }
+  }
+  for (int u = 0; u < N; ++u) {
+    r[u] = reduce_add(sp[u] + sn[u]);
+    for (int64_t t = j; t < d; ++t) r[u] += qp[u * d + t] * mx[t] + qn[u * d + t] * mn[t];
+  }
+}
+}  // namespace
+
 void quest_scores(const QuestArgs& a, int64_t begin, int64_t end) {
   const int64_t kvh = a.num_kv_heads, g = a.group, d = a.head_size;
   for (int64_t c = begin; c < end; ++c) {
@@ -368,20 +392,22 @@ void quest_scores(const QuestArgs& a, int64_t begin, int64_t end) {
       const float* mn = mn_b + h * d;
       const float* mx = mx_b + h * d;
       float best = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < g; ++i) {
-        const float* qp = a.q_pos + (h * g + i) * d;
-        const float* qn = a.q_neg + (h * g + i) * d;
-        int64_t j = 0;
-        Vec s(0.f);
-        for (; j + Vec::size() <= d; j += Vec::size()) {
-          s = at::vec::fmadd(Vec::loadu(qp + j), Vec::loadu(mx + j), s);
-          s = at::vec::fmadd(Vec::loadu(qn + j), Vec::loadu(mn + j), s);
+      for (int64_t i0 = 0; i0 < g && !std::isnan(best); i0 += 4) {  // four query heads of the group at a time
+        const float* qp = a.q_pos + (h * g + i0) * d;
+        const float* qn = a.q_neg + (h * g + i0) * d;
+        float r[4];
+        const int64_t n = std::min<int64_t>(4, g - i0);
+        switch (n) {
+          case 4: group_bounds<4>(qp, qn, mn, mx, d, r); break;
+          case 3: group_bounds<3>(qp, qn, mn, mx, d, r); break;
+          case 2: group_bounds<2>(qp, qn, mn, mx, d, r); break;
+          default: group_bounds<1>(qp, qn, mn, mx, d, r); break;
         }
-        float r = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, s);
-        for (; j < d; ++j) r += qp[j] * mx[j] + qn[j] * mn[j];
-        // NaN (only from non-finite key metadata) ranks first, as in the ATen path's max over the group
-        best = (std::isnan(r) || r > best) ? r : best;
-        if (std::isnan(best)) break;
+        for (int64_t u = 0; u < n; ++u) {
+          // NaN (only from non-finite key metadata) ranks first, as in the ATen path's max over the group
+          best = (std::isnan(r[u]) || r[u] > best) ? r[u] : best;
+          if (std::isnan(best)) break;
+        }
       }
       a.score[h * a.num_blocks + c] = best;
     }
