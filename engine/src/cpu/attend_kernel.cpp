@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace activekv::cpu_kernel {
@@ -154,42 +155,33 @@ inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
 // the processors measured: docs/benchmarks.md, "Issue 9, sixth session").
 constexpr int64_t kChunkVInL1 = 32 * 1024;
 
-// acc[i][j + u * kW ..] += sum over t < lim[i] of p[i * nk + t] * v[t, j + u * kW ..] for the RB rows and NJ vectors
-// of the head (one block's V; p: the rows' probabilities of the block's keys, row stride nk).
+// o[i][u] += sum over t < lim[i] of p[i * nk + t] * v[t, j + u * kW ..], keys in order, for the RB rows and NJ vectors
+// of the head held in registers (one block's V; p: the rows' probabilities of the block's keys, row stride nk). Both
+// loop orders of P x V in chunk_rows accumulate through this.
 template <typename T, int RB, int NJ>
-inline void pv_block(const T* v, int64_t d, int64_t j, const float* p, int64_t nk, const int64_t* lim,
-                     float* const* acc) {
+inline void accumulate_block(const T* v, int64_t d, int64_t j, const float* p, int64_t nk, const int64_t* lim,
+                             Vec (&o)[RB][NJ]) {
   int64_t vmax = 0, vmin = std::numeric_limits<int64_t>::max();
   for (int i = 0; i < RB; ++i) {
     vmax = std::max(vmax, lim[i]);
     vmin = std::min(vmin, lim[i]);
   }
-  if (vmax == 0) return;
-  Vec o[RB][NJ];
-  for (int i = 0; i < RB; ++i)
-    for (int u = 0; u < NJ; ++u) o[i][u] = Vec::loadu(acc[i] + j + u * kW);
-  if (vmin == vmax) {  // decode rows, and prefill rows past the block
+  const auto keys = [&](auto uniform) {  // uniform limits (decode rows, prefill rows past the block): no test per row
     for (int64_t t = 0; t < vmax; ++t) {
       Vec vt[NJ];
       for (int u = 0; u < NJ; ++u) vt[u] = load_float(v + t * d + j + u * kW);
       for (int i = 0; i < RB; ++i) {
+        if (!decltype(uniform)::value && t >= lim[i]) continue;
         const Vec pt(p[i * nk + t]);
         for (int u = 0; u < NJ; ++u) o[i][u] = at::vec::fmadd(pt, vt[u], o[i][u]);
       }
     }
+  };
+  if (vmin == vmax) {
+    keys(std::true_type{});
   } else {
-    for (int64_t t = 0; t < vmax; ++t) {
-      Vec vt[NJ];
-      for (int u = 0; u < NJ; ++u) vt[u] = load_float(v + t * d + j + u * kW);
-      for (int i = 0; i < RB; ++i) {
-        if (t >= lim[i]) continue;
-        const Vec pt(p[i * nk + t]);
-        for (int u = 0; u < NJ; ++u) o[i][u] = at::vec::fmadd(pt, vt[u], o[i][u]);
-      }
-    }
+    keys(std::false_type{});
   }
-  for (int i = 0; i < RB; ++i)
-    for (int u = 0; u < NJ; ++u) o[i][u].store(acc[i] + j + u * kW);
 }
 
 // One chunk (blocks c0 .. c0 + cb - 1 of the args, at most chunk_blocks) for RB query rows r0 .. r0 + RB - 1: the
@@ -265,42 +257,35 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
     // order, the rows' accumulators of one or two vectors of the head in registers over the block's keys.
     for (int i = 0; i < RB; ++i)
       for (int64_t j = 0; j < dv; j += kW) (Vec::loadu(acc[i] + j) * Vec(alpha[i])).store(acc[i] + j);
+    const auto block = [&](const T* v, int64_t j, const int64_t* lim, int64_t c, auto nj) {
+      constexpr int NJ = decltype(nj)::value;
+      Vec o[RB][NJ];
+      for (int i = 0; i < RB; ++i)
+        for (int u = 0; u < NJ; ++u) o[i][u] = Vec::loadu(acc[i] + j + u * kW);
+      accumulate_block<T, RB, NJ>(v, d, j, s + c * bs, nk, lim, o);
+      for (int i = 0; i < RB; ++i)
+        for (int u = 0; u < NJ; ++u) o[i][u].store(acc[i] + j + u * kW);
+    };
     for (int64_t c = 0; c < cb; ++c) {
       const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d;
       int64_t lim[RB];
       for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
       int64_t j = 0;
-      for (; j + 2 * kW <= dv; j += 2 * kW) pv_block<T, RB, 2>(v, d, j, s + c * bs, nk, lim, acc);
-      for (; j < dv; j += kW) pv_block<T, RB, 1>(v, d, j, s + c * bs, nk, lim, acc);
+      for (; j + 2 * kW <= dv; j += 2 * kW) block(v, j, lim, c, std::integral_constant<int, 2>{});
+      for (; j < dv; j += kW) block(v, j, lim, c, std::integral_constant<int, 1>{});
     }
   } else {
     // The chunk's V fits in L1 (small heads): one vector of the head at a time over the whole chunk, the accumulators
     // loaded and stored once per chunk instead of once per block.
     for (int64_t j = 0; j < dv; j += kW) {
-      Vec o[RB];
-      for (int i = 0; i < RB; ++i) o[i] = Vec::loadu(acc[i] + j) * Vec(alpha[i]);
+      Vec o[RB][1];
+      for (int i = 0; i < RB; ++i) o[i][0] = Vec::loadu(acc[i] + j) * Vec(alpha[i]);
       for (int64_t c = 0; c < cb; ++c) {
-        const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d + j;
-        const float* p = s + c * bs;
-        int64_t vmax = 0, vmin = bs;
-        for (int i = 0; i < RB; ++i) {
-          vmax = std::max(vmax, valid[i * cb + c]);
-          vmin = std::min(vmin, valid[i * cb + c]);
-        }
-        if (vmin == vmax) {  // decode rows, and prefill rows past the block
-          for (int64_t t = 0; t < vmax; ++t) {
-            const Vec vt = load_float(v + t * d);
-            for (int i = 0; i < RB; ++i) o[i] = at::vec::fmadd(Vec(p[i * nk + t]), vt, o[i]);
-          }
-        } else {
-          for (int64_t t = 0; t < vmax; ++t) {
-            const Vec vt = load_float(v + t * d);
-            for (int i = 0; i < RB; ++i)
-              if (t < valid[i * cb + c]) o[i] = at::vec::fmadd(Vec(p[i * nk + t]), vt, o[i]);
-          }
-        }
+        int64_t lim[RB];
+        for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
+        accumulate_block<T, RB, 1>(static_cast<const T*>(a.kv[c0 + c]) + bs * d, d, j, s + c * bs, nk, lim, o);
       }
-      for (int i = 0; i < RB; ++i) o[i].store(acc[i] + j);
+      for (int i = 0; i < RB; ++i) o[i][0].store(acc[i] + j);
     }
   }
   for (int64_t j = dv; j < d; ++j) {  // head sizes that are not a multiple of kW
