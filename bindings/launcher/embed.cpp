@@ -170,7 +170,7 @@ std::vector<std::string> distribution_dirs(const Environment& env) {
         // runs) name no directory; any other line, right-stripped of whitespace, is a path relative to site-packages.
         if (line.rfind('#', 0) == 0 || line.rfind("import ", 0) == 0 || line.rfind("import\t", 0) == 0) continue;
         while (!line.empty() && std::isspace(static_cast<unsigned char>(line.back())) != 0) line.pop_back();
-        if (line.find_first_not_of(" \t\n\r\v\f") == std::string::npos) continue;
+        if (line.empty()) continue;  // blank: nothing but whitespace was left to strip
         const std::string path = line[0] == '/' ? line : join(site, line);
         if (is_dir(path)) dirs.push_back(path);
       }
