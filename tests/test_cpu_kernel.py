@@ -32,10 +32,11 @@ CELLS = _cells()
 
 
 def run(cell: Cell, kernel: str, selections: list | None = None,
-        tile_blocks: int | None = None) -> tuple[list[torch.Tensor], dict]:
+        tile_blocks: int | None = None, fill: float = 0.0) -> tuple[list[torch.Tensor], dict]:
     """Replay the cell on one engine; returns (every forward's output, counters). `selections`, if given, receives
     every forward's compressed-mode selection per request row ({row: [num_kv_heads, per_head] block ids});
-    `tile_blocks`, if given, replaces the cell's tile (the pool must hold it)."""
+    `tile_blocks`, if given, replaces the cell's tile (the pool must hold it); `fill` is the value of every KV cache
+    slot no token has been written to."""
     nb = host_blocks_for(cell)
     kwargs = dict(cell.engine_kwargs(), kernel=kernel)
     args = cell.engine_args()
@@ -43,7 +44,8 @@ def run(cell: Cell, kernel: str, selections: list | None = None,
         assert args[-2] > tile_blocks, "the pool must hold more than one tile"
         args = (*args[:-1], tile_blocks)
     eng = backend.Engine(*args, **kwargs)
-    caches = [torch.zeros(nb, 2, cell.block_size, 2 * cell.head_size, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
+    caches = [torch.full((nb, 2, cell.block_size, 2 * cell.head_size), fill, dtype=cell.dtype)
+              for _ in range(NUM_LAYERS)]
     outs = []
     for st in make_steps(cell, nb):
         plan = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
@@ -201,6 +203,26 @@ def test_native_kernel_output_does_not_depend_on_the_pool_size() -> None:
     large, snap_large = run(resident, "native")
     assert snap_small["blocks_evicted"] > 0 == snap_large["blocks_evicted"]  # the small pool did stream
     assert len(small) == len(large) and all(torch.equal(a, b) for a, b in zip(small, large))
+
+
+@pytest.mark.parametrize("kernel", ["native", "aten"])
+@pytest.mark.parametrize("mode", ["exact", "compressed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_unwritten_slots_holding_nan_do_not_reach_the_output(kernel: str, mode: str, dtype: torch.dtype) -> None:
+    """The slots of a row's last block past its length hold whatever the cache held (vLLM reuses freed blocks): with
+    every unwritten slot NaN, each forward's output is bit-identical to the run where they are zero. Both kernels
+    read those slots (whole blocks, whole tiles) and must keep them out of P x V, not only out of the scores. The ATen
+    path runs on one thread (run_aten_one_thread says why)."""
+    cell = Cell(dtype, 128, 4, 16, "unaligned", True, 3, True, mode=mode)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if kernel == "aten" else threads)
+        zeros, snap_zeros = run(cell, kernel)
+        nans, snap_nans = run(cell, kernel, fill=float("nan"))
+    finally:
+        torch.set_num_threads(threads)
+    assert snap_zeros == snap_nans and len(zeros) == len(nans)
+    assert all(torch.equal(a, b) for a, b in zip(zeros, nans))
 
 
 CAPABILITY_SCRIPT = """

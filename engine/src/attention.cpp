@@ -43,7 +43,10 @@ void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tens
   const int64_t lq = mask.size(-2), g = rows / lq;
   // [KVH, 2, n, bs, D] -> [KVH, n * bs, D]: keys of the tile in position order, per KV head (a view when gathered).
   auto k = tile.select(1, 0).reshape({kvh, n * bs, d}).to(at::kFloat);
-  auto v = tile.select(1, 1).reshape({kvh, n * bs, d}).to(at::kFloat);
+  // Keys no query row sees (past the last query's position: slots of the last block nothing has been written to yet,
+  // which may hold anything) get V = 0, so that their zero probabilities never meet a non-finite value.
+  auto unseen = mask.all(-2).reshape({-1, n * bs, 1});  // [1 or KVH, n * bs, 1]
+  auto v = tile.select(1, 1).reshape({kvh, n * bs, d}).to(at::kFloat).masked_fill(unseen, 0.0);
   auto s = at::matmul(qg, k.transpose(1, 2));  // [KVH, G * Lq, n * bs]
   s.mul_(scale);
   s.view({kvh, g, lq, n * bs}).masked_fill_(mask, -std::numeric_limits<float>::infinity());

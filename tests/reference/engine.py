@@ -101,7 +101,8 @@ def online_softmax_tile(st: list[torch.Tensor], qg: torch.Tensor, tile: torch.Te
     lq = mask.shape[-2]
     g = rows // lq
     k = tile.select(1, 0).reshape(kvh, n * bs, d).to(torch.float32)
-    v = tile.select(1, 1).reshape(kvh, n * bs, d).to(torch.float32)
+    unseen = mask.all(-2).reshape(-1, n * bs, 1)  # keys no query row sees: V = 0 (their slots may hold anything)
+    v = tile.select(1, 1).reshape(kvh, n * bs, d).to(torch.float32).masked_fill(unseen, 0.0)
     s = torch.matmul(qg, k.transpose(1, 2))
     s.mul_(scale)
     s.view(kvh, g, lq, n * bs).masked_fill_(mask, float("-inf"))

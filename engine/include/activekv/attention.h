@@ -58,6 +58,7 @@ at::Tensor gather_tile(const at::Tensor& kv, const at::Tensor& slots);
 /// @param mask bool, true = masked: [num_q_tokens, num_tile_blocks * block_size] from tile_mask (shared by every head),
 ///        or [num_kv_heads, 1, num_q_tokens, num_tile_blocks * block_size] (per-head selections)
 /// @param scale softmax scale (usually head_size^-0.5)
+/// Keys masked for every query row contribute nothing even when their slots hold NaN or inf (their V is taken as 0).
 void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tensor& tile, const at::Tensor& mask,
                          double scale);
 
