@@ -176,8 +176,10 @@ def test_many_selecting_rows_choose_as_row_by_row() -> None:
     torch.testing.assert_close(native2, aten, atol=tol, rtol=tol)
 
 
-def test_native_kernel_is_bit_identical_run_to_run_and_across_thread_counts() -> None:
-    cell = Cell(torch.float32, 128, 4, 16, "unaligned", True, 3, True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_native_kernel_is_bit_identical_run_to_run_and_across_thread_counts(dtype: torch.dtype) -> None:
+    """bfloat16 at head size 128 / block 16 runs on AMX where the processor has it (cpu_kernel_amx)."""
+    cell = Cell(dtype, 128, 4, 16, "unaligned", True, 3, True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -191,13 +193,14 @@ def test_native_kernel_is_bit_identical_run_to_run_and_across_thread_counts() ->
     assert all(torch.equal(a, b) for a, b in zip(two, again))
 
 
-def test_native_kernel_output_does_not_depend_on_the_pool_size() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_native_kernel_output_does_not_depend_on_the_pool_size(dtype: torch.dtype) -> None:
     """The kernel merges its online softmax once per tile (chunks of tile_blocks blocks from the start of each call),
     and exact mode hands it whole tiles, so a pool that streams the context one tile at a time and a pool that holds
     it all give bit-identical outputs (the arithmetic per (row, KV head) does not depend on how tiles group into
     rounds)."""
-    streaming = Cell(torch.float32, 64, 4, 16, "unaligned", True, 3, True)
-    resident = Cell(torch.float32, 64, 4, 16, "unaligned", False, 3, True)
+    streaming = Cell(dtype, 64, 4, 16, "unaligned", True, 3, True)
+    resident = Cell(dtype, 64, 4, 16, "unaligned", False, 3, True)
     assert streaming.pool_blocks < resident.pool_blocks and host_blocks_for(streaming) == host_blocks_for(resident)
     small, snap_small = run(streaming, "native")
     large, snap_large = run(resident, "native")
@@ -223,6 +226,64 @@ def test_unwritten_slots_holding_nan_do_not_reach_the_output(kernel: str, mode: 
         torch.set_num_threads(threads)
     assert snap_zeros == snap_nans and len(zeros) == len(nans)
     assert all(torch.equal(a, b) for a, b in zip(zeros, nans))
+
+
+AMX_SCRIPT = """
+import sys, torch
+import activekv._backend as backend
+from tests.test_cpu_kernel import run
+from tests.parity_cells import Cell
+torch.set_num_threads(int(sys.argv[2]))
+bf = torch.bfloat16
+cells = [  # (cell, tile_blocks): decode and prefill rows, 1 / 4 / 8 query rows per KV head, short and long tiles
+    (Cell(bf, 128, 4, 16, "unaligned", True, 3, True), None),
+    (Cell(bf, 64, 8, 32, "aligned", False, 1, False), None),
+    (Cell(bf, 128, 1, 16, "multiple", False, 3, True, mode="compressed"), None),
+    (Cell(bf, 64, 4, 32, "unaligned", True, 3, True, mode="compressed"), None),
+    (Cell(bf, 128, 4, 32, "unaligned", False, 3, True), 8),
+    (Cell(bf, 64, 4, 16, "unaligned", False, 3, True), 9),
+    (Cell(bf, 128, 4, 128, "unaligned", False, 1, False), None),
+]
+torch.save([run(c, "native", tile_blocks=t)[0] for c, t in cells], sys.argv[1])
+print(backend.cpu_kernel_amx())
+"""
+
+
+def _processor_has_amx_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "")
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(flags.split())
+
+
+def test_amx_path_agrees_with_the_avx512_path_within_tolerance(tmp_path) -> None:
+    """bfloat16 KV on AMX tiles (cpu_kernel.h) against the AVX-512 path of the same kernel (ACTIVEKV_CPU_AMX=0), on
+    cells that reach its row padding (1 and 8 query rows per KV head), short last tiles, several runs of keys per
+    tile (tile 8 x block 32), a tile that is not a multiple of 32 keys (9 x 16) and a block longer than a run (128
+    keys); the AMX run is also bit-identical
+    across 1 and 2 threads. Skipped where the processor or kernel has no AMX: then both runs are the same path."""
+    if not (_processor_has_amx_bf16() and backend.cpu_kernel_capability() == "avx512"):
+        pytest.skip("no AMX-BF16 with the avx512 capability here: the kernel never takes the AMX path")
+    root = os.path.dirname(os.path.dirname(__file__))
+    results = {}
+    for name, amx, threads in (("amx", "1", 2), ("amx1", "1", 1), ("avx512", "0", 2)):
+        out = tmp_path / f"{name}.pt"
+        env = dict(os.environ, ACTIVEKV_CPU_AMX=amx)
+        proc = subprocess.run([sys.executable, "-c", AMX_SCRIPT, str(out), str(threads)], env=env,
+                              capture_output=True, text=True, timeout=300, cwd=root)
+        assert proc.returncode == 0, proc.stderr
+        results[name] = (proc.stdout.strip().splitlines()[-1], torch.load(out))
+    if results["amx"][0] != "True":
+        pytest.skip("the processor has AMX but this kernel may not use it (Linux before 5.16 refuses the tile state)")
+    assert results["avx512"][0] == "False"
+    tol = TOLERANCE[torch.bfloat16]
+    amx, avx = results["amx"][1], results["avx512"][1]
+    assert len(amx) == len(avx) == 7
+    for i, (cell_a, cell_b, cell_1) in enumerate(zip(amx, avx, results["amx1"][1])):
+        assert len(cell_a) == len(cell_b) > 0
+        for a, b, one in zip(cell_a, cell_b, cell_1):
+            assert not torch.equal(a, torch.full_like(a, 7.0))
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, i=i: f"cell {i}: {m}")
+            assert torch.equal(a, one), f"cell {i}: AMX output differs between 1 and 2 threads"
 
 
 CAPABILITY_SCRIPT = """
@@ -266,6 +327,7 @@ def test_kernel_option_is_validated_and_reported() -> None:
     with pytest.raises(ValueError, match="kernel must be 'native' or 'aten', got 'fast'"):
         backend.Engine(*args, kernel="fast")
     assert backend.cpu_kernel_capability() in ("avx512", "avx2", "default")
+    assert isinstance(backend.cpu_kernel_amx(), bool)
 
 
 def test_engine_parallel_for_uses_the_intra_op_threads() -> None:

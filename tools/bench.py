@@ -400,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
 
     akv_backend, akv_version = load_backend()
     akv_capability = akv_backend.cpu_kernel_capability() if akv_backend is not None else MISSING
+    if akv_backend is not None and akv_backend.cpu_kernel_amx():
+        akv_capability += ", bfloat16 on AMX"
     machine = machine_line()
     started = time.perf_counter()
     timing = Timing(args.warmup, args.min_reps, args.max_reps, args.budget_s, args.cap_s)

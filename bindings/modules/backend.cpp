@@ -725,6 +725,9 @@ PYBIND11_MODULE(_backend, m) {
   m.def("name", []() { return std::string("ACTIVEKV"); }, "The backend name vLLM selects.");
   m.def("cpu_kernel_capability", &activekv::cpu_kernel_capability,
         "CPU capability of the fast kernel in use: 'avx512', 'avx2' or 'default' (ATEN_CPU_CAPABILITY caps it).");
+  m.def("cpu_kernel_amx", &activekv::cpu_kernel_has_amx,
+        "Whether the fast CPU kernel multiplies bfloat16 KV on AMX tiles (head size a multiple of 32, block size a "
+        "multiple of 16): capability avx512, a processor with AMX-BF16, Linux granting the tile state, ACTIVEKV_CPU_AMX not '0'.");
   m.def("parallel_for_threads", &activekv::parallel_for_threads, py::arg("n"),
         py::call_guard<py::gil_scoped_release>(),
         "Distinct threads that ran n tasks through at::parallel_for in the engine library (1 if it was built without "

@@ -63,6 +63,15 @@ bool cpu_kernel_uses_bf16_query(int64_t head_size) {
   return false;
 }
 
+bool cpu_kernel_has_amx() {
+  switch (capability()) {
+    case Cap::kAvx512: return cpu_kernel::AVX512::has_amx();
+    case Cap::kAvx2: return cpu_kernel::AVX2::has_amx();
+    case Cap::kDefault: return cpu_kernel::DEFAULT::has_amx();
+  }
+  return false;
+}
+
 const char* cpu_kernel_capability() {
   switch (capability()) {
     case Cap::kAvx512: return "avx512";

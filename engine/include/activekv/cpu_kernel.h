@@ -10,8 +10,11 @@
 /// chunk), then the probabilities times V.
 ///
 /// Built once per CPU capability (DEFAULT, AVX2, AVX512) with ATen's `at::vec::Vectorized` and chosen at run time
-/// (`ATEN_CPU_CAPABILITY=default|avx2|avx512` caps the choice, as it does for ATen). Float32 math whatever the KV
-/// dtype. The arithmetic order is fixed per (row, KV head) by the chunking (chunk_blocks blocks from the first one
+/// (`ATEN_CPU_CAPABILITY=default|avx2|avx512` caps the choice, as it does for ATen). Float32 accumulation whatever the
+/// KV dtype. bfloat16 KV on a processor with AMX (cpu_kernel_has_amx) multiplies on AMX tiles instead, for head sizes
+/// that are multiples of 32 and block sizes that are multiples of 16: Q K^T with K read in place, then P V with the
+/// probabilities rounded to bfloat16 (as ATen's CPU flash attention and vLLM's CPU_ATTN AMX path round them) and V
+/// copied per run of keys into AMX's pair layout; float32 accumulation, the same chunking and online softmax. The arithmetic order is fixed per (row, KV head) by the chunking (chunk_blocks blocks from the first one
 /// given), so results are identical run to run, across thread counts and however the caller groups whole chunks; they are not bit-identical to the ATen tile path (vectorised dot products and exp): docs/parity.md states
 /// the contract and tests/test_cpu_kernel.py checks it.
 #include <ATen/ATen.h>
@@ -76,6 +79,12 @@ const char* cpu_kernel_capability();
 /// so a caller need not round the query to bfloat16 (it passes null).
 bool cpu_kernel_uses_bf16_query(int64_t head_size);
 
+/// Whether attend_blocks_cpu multiplies bfloat16 KV on AMX tiles (where head_size % 32 == 0 and block_size % 16 == 0):
+/// the capability in use is AVX512, the processor has AMX-TILE, AMX-BF16 and AVX512-BF16, Linux grants the process
+/// AMX's tile state (arch_prctl ARCH_REQ_XCOMP_PERM, kernel 5.16 or later), and ACTIVEKV_CPU_AMX is not "0" (read once
+/// per process: the switch to the AVX-512 path, for comparisons).
+bool cpu_kernel_has_amx();
+
 /// Distinct threads that ran `n` tasks of grain 1 through at::parallel_for inside the engine library (the call the
 /// kernel and the Quest scoring make), with the caller's intra-op thread count. at::parallel_for is a header template:
 /// in a library built without OpenMP it runs every range on the calling thread, so this returns 1 whatever the thread
@@ -84,9 +93,9 @@ int64_t parallel_for_threads(int64_t n);
 
 namespace cpu_kernel {
 // One definition per capability (engine/src/cpu/attend_kernel.cpp compiled three times).
-namespace DEFAULT { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); }
-namespace AVX2 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); }
-namespace AVX512 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); }
+namespace DEFAULT { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); bool has_amx(); }
+namespace AVX2 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); bool has_amx(); }
+namespace AVX512 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); bool has_amx(); }
 }  // namespace cpu_kernel
 
 }  // namespace activekv

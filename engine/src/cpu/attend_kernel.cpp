@@ -6,9 +6,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace activekv::cpu_kernel {
 namespace CPU_CAPABILITY {
@@ -135,6 +143,23 @@ bool has_bf16_dot() {
   static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bf16") != 0);
   return yes;
 }
+
+// Whether the bfloat16 AMX path may run (asked once per process): the processor has AMX-TILE and AMX-BF16 (CPUID leaf
+// 7: EDX bits 24 and 22) and AVX512-BF16, Linux grants this process the tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, as oneDNN asks; refused by kernels before 5.16), and the environment
+// does not set ACTIVEKV_CPU_AMX=0.
+bool amx_ready() {
+  static const bool yes = [] {
+    const char* env = std::getenv("ACTIVEKV_CPU_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) == 0) return false;
+    if ((edx & (1u << 24)) == 0 || (edx & (1u << 22)) == 0 || !has_bf16_dot()) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return yes;
+}
 #endif
 
 // Ask for the cache lines of [p, p + bytes) ahead of use. A block's K and V of one head are a few KiB (4 KiB at
@@ -184,6 +209,56 @@ inline void accumulate_block(const T* v, int64_t d, int64_t j, const float* p, i
   }
 }
 
+// Online softmax per row r0 + i over a chunk's scores s [RB, nk] (row stride nk), in place: the new running max
+// (a.m), the running sum (a.l), the accumulator's rescale alpha[i] and the probabilities in place of the scores. With
+// pb (the AMX path; nk a multiple of 16), each probability is also rounded to bfloat16 into pb [RB, ldp] (zeros from
+// nk to ldp, and for a row that sees no key of the chunk), and the running sum adds the rounded values, the ones its
+// P x V multiplies.
+template <int RB>
+void merge_rows(const AttendArgs& a, int64_t r0, float* s, int64_t nk, float* alpha, at::BFloat16* pb, int64_t ldp) {
+  for (int i = 0; i < RB; ++i) {
+    const int64_t r = r0 + i;
+    float* si = s + i * nk;
+    const int64_t nkv = nk - nk % kW;
+    Vec vmx(kNegInf);
+    for (int64_t t = 0; t < nkv; t += kW) vmx = at::vec::maximum(vmx, Vec::loadu(si + t));
+    float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
+    for (int64_t t = nkv; t < nk; ++t) mx = std::max(mx, si[t]);
+    if (mx == kNegInf) {  // no key of the chunk is visible to this row
+      alpha[i] = 1.f;
+      if (pb != nullptr) std::fill(pb + i * ldp, pb + (i + 1) * ldp, at::BFloat16(0.f));
+      continue;
+    }
+    const float m_new = std::max(a.m[r], mx);
+    alpha[i] = std::exp(a.m[r] - m_new);  // m = -inf before the first key: alpha = 0
+    const Vec vm(m_new);
+    Vec sum(0.f);
+    float l = 0.f;
+    if (pb == nullptr) {
+      for (int64_t t = 0; t < nkv; t += kW) {
+        const Vec p = (Vec::loadu(si + t) - vm).exp();  // exp(-inf) = 0 for the keys past the limit
+        p.store(si + t);
+        sum = sum + p;
+      }
+      l = reduce_add(sum);
+      for (int64_t t = nkv; t < nk; ++t) l += si[t] = std::exp(si[t] - m_new);
+    } else {
+      at::BFloat16* pi = pb + i * ldp;
+      for (int64_t t = 0; t < ldp; t += 2 * kW) {  // 32 probabilities per conversion; past nk, zeros
+        const Vec lo = t < nk ? (Vec::loadu(si + t) - vm).exp() : Vec(0.f);
+        const Vec hi = t + kW < nk ? (Vec::loadu(si + t + kW) - vm).exp() : Vec(0.f);
+        const auto rounded = at::vec::convert_from_float<at::BFloat16>(lo, hi);
+        rounded.store(pi + t);
+        auto [rlo, rhi] = at::vec::convert_to_float<at::BFloat16>(rounded);
+        sum = sum + rlo + rhi;
+      }
+      l = reduce_add(sum);
+    }
+    a.l[r] = a.l[r] * alpha[i] + l;
+    a.m[r] = m_new;
+  }
+}
+
 // One chunk (blocks c0 .. c0 + cb - 1 of the args, at most chunk_blocks) for RB query rows r0 .. r0 + RB - 1: the
 // scores of every key of the chunk, then one online-softmax merge per row (running max, rescale of the accumulator,
 // probabilities), then the rows' accumulators walk the chunk's V one vector of the head at a time, the RB rows
@@ -219,34 +294,8 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
       for (t = n; t < bs; ++t) si[t] = kNegInf;
     }
   }
-  // Online softmax per row over the chunk: new running max, rescale factor, probabilities in place of the scores.
   float alpha[RB];
-  for (int i = 0; i < RB; ++i) {
-    const int64_t r = r0 + i;
-    float* si = s + i * nk;
-    const int64_t nkv = nk - nk % kW;
-    Vec vmx(kNegInf);
-    for (int64_t t = 0; t < nkv; t += kW) vmx = at::vec::maximum(vmx, Vec::loadu(si + t));
-    float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
-    for (int64_t t = nkv; t < nk; ++t) mx = std::max(mx, si[t]);
-    if (mx == kNegInf) {  // no key of the chunk is visible to this row
-      alpha[i] = 1.f;
-      continue;
-    }
-    const float m_new = std::max(a.m[r], mx);
-    alpha[i] = std::exp(a.m[r] - m_new);  // m = -inf before the first key: alpha = 0
-    const Vec vm(m_new);
-    Vec sum(0.f);
-    for (int64_t t = 0; t < nkv; t += kW) {
-      const Vec p = (Vec::loadu(si + t) - vm).exp();  // exp(-inf) = 0 for the keys past the limit
-      p.store(si + t);
-      sum = sum + p;
-    }
-    float l = reduce_add(sum);
-    for (int64_t t = nkv; t < nk; ++t) l += si[t] = std::exp(si[t] - m_new);
-    a.l[r] = a.l[r] * alpha[i] + l;
-    a.m[r] = m_new;
-  }
+  merge_rows<RB>(a, r0, s, nk, alpha, nullptr, 0);
   // acc = acc * alpha + sum_t p_t v_t; a row reads only its visible keys' V. Per element the sum is acc * alpha, then
   // the chunk's keys in order, whichever of the two loop orders runs (the same results from both).
   float* acc[RB];
@@ -300,10 +349,271 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// ---- bfloat16 on AMX: both products as tile multiplies (tdpbf16ps: bfloat16 pairs summed into float32) ----
+// Scores as S^T = K Q^T: the block's K is the A operand as stored (16 keys x 32 head values per tile row, no copy),
+// the query rows, packed once per chunk in AMX's pair layout (VNNI), the B operand. P x V as O = P V: P rounded to
+// bfloat16 (as ATen's CPU flash attention and vLLM's CPU_ATTN AMX path round it) is the A operand, V copied per
+// block into the pair layout (two keys' values of one head element side by side) the B operand. Query rows are
+// multiplied kAmxRows at a time, fewer padded with zeros. Used for bfloat16 KV when amx_ready(), the head size is a
+// multiple of 32 and the block size of 16 (use_amx); the tile registers are configured per attend call.
+
+constexpr int kAmxRows = 4;  // query rows per tile multiply: the M of P x V, the N of the scores
+
+// The AMX instructions as inline assembly (AT&T operand order), with the memory effects the compiler must see: GCC
+// 12's _tile_loadconfig declares only 8 bytes of its 64-byte operand as read (the other stores of the config were
+// dropped as dead: ldtilecfg then faulted) and its _tile_loadd no memory read, so a load could pass the stores that
+// fill the operand.
+#define AKV_TILE_LOAD(t, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define AKV_TILE_STORE(t, base, stride) \
+  asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define AKV_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::)
+#define AKV_TILE_DPBF16PS(dst, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #dst ::)
+
+struct TileConfig {  // the 64-byte operand of ldtilecfg, palette 1
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row of each tile register
+  uint8_t rows[16] = {};
+};
+
+void amx_configure() {
+  TileConfig c;
+  const auto set = [&c](int t, int rows, int colsb) {
+    c.rows[t] = static_cast<uint8_t>(rows);
+    c.colsb[t] = static_cast<uint16_t>(colsb);
+  };
+  set(0, 16, 4 * kAmxRows);  // scores: S^T of 16 keys x kAmxRows rows, float32
+  set(1, 16, 4 * kAmxRows);  // scores of the next 16 keys
+  set(2, 16, 4 * kAmxRows);  // Q: 16 pairs of head values x kAmxRows rows x 2, bfloat16
+  set(3, 16, 64);            // K: 16 keys x 32 head values; in P x V, V: 16 key pairs x 16 head values x 2 (bfloat16)
+  set(4, 16, 64);            // the same for the next 16 keys / head values
+  set(5, kAmxRows, 64);      // O: kAmxRows rows x 16 head values, float32
+  set(6, kAmxRows, 64);      // O of the next 16 head values
+  set(7, kAmxRows, 64);      // P: kAmxRows rows x 32 keys, bfloat16
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+void amx_release() { asm volatile("tilerelease" ::: "memory"); }
+
+// Keys per run of P x V: whole blocks, a multiple of 32, and about 16 KiB of V in the pair layout (so the packed copy
+// stays in L1 while the tiles read it: packing the whole chunk's V first measured slower, docs/benchmarks.md).
+inline int64_t amx_run_keys(int64_t bs, int64_t d) {
+  const int64_t unit = bs % 32 == 0 ? bs : 2 * bs;  // bs is a multiple of 16 (use_amx)
+  const int64_t want = std::max<int64_t>(32, 8192 / d);
+  return (want + unit - 1) / unit * unit;
+}
+
+// Per-thread scratch of the AMX path; sizes for chunks of up to nk32 keys (a multiple of 32), block size bs and head
+// size d.
+struct AmxScratch {
+  std::vector<at::BFloat16> qpack, pb, vp;
+  std::vector<float> st, ot;
+  void reserve(int64_t nk32, int64_t bs, int64_t d) {
+    qpack.resize(d * kAmxRows);             // [d / 32][16 pairs][kAmxRows][2]
+    pb.resize(kAmxRows * nk32);             // [kAmxRows][nk32]
+    vp.resize(amx_run_keys(bs, d) * d);     // [d / 16][pairs of a run][16][2]
+    st.resize(nk32 * kAmxRows);    // [nk32 keys][kAmxRows]: S^T
+    ot.resize(d * kAmxRows);       // [d / 16][kAmxRows][16]
+  }
+};
+
+// V of one block (bs keys, head size d) into the pair layout of the chunk's packed V: key pair p of the block is pair
+// first_pair + p of vp [d / 16][pairs][16][2]. Within each 32 head values the pairs come in the order of AVX-512's
+// 16-bit unpacks (one instruction each): tile j / 16 holds head values j + 8q + r, tile j / 16 + 1 holds j + 8q + 4 + r
+// (q, r < 4) at column 4q + r; unpermute_o puts P x V's columns back. Keys from vmax on (no row sees them; the slot may
+// hold anything) are written as zeros, so that their zero probabilities never meet a non-finite value.
+inline void pack_v_pairs(const at::BFloat16* v, int64_t bs, int64_t d, int64_t vmax, at::BFloat16* vp, int64_t pairs,
+                         int64_t first_pair) {
+  for (int64_t p = 0; p < bs / 2; ++p) {
+    const at::BFloat16* v0 = v + 2 * p * d;
+    const bool has0 = 2 * p < vmax, has1 = 2 * p + 1 < vmax;
+    for (int64_t j = 0; j < d; j += 32) {
+      const __m512i x = has0 ? _mm512_loadu_si512(v0 + j) : _mm512_setzero_si512();
+      const __m512i y = has1 ? _mm512_loadu_si512(v0 + d + j) : _mm512_setzero_si512();
+      _mm512_storeu_si512(vp + ((j / 16) * pairs + first_pair + p) * 32, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(vp + ((j / 16 + 1) * pairs + first_pair + p) * 32, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+}
+
+// The two O tiles of 32 head values (lo, hi: columns in pack_v_pairs' order) back in head order.
+inline void unpermute_o(__m512 lo, __m512 hi, __m512& first, __m512& second) {
+  alignas(64) static constexpr int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static constexpr int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  first = _mm512_permutex2var_ps(lo, _mm512_load_si512(kFirst), hi);
+  second = _mm512_permutex2var_ps(lo, _mm512_load_si512(kSecond), hi);
+}
+
+// chunk_rows for bfloat16 KV on AMX (same chunking, causal limits and online softmax; see the section comment).
+template <int RB>
+void chunk_rows_amx(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* s, int64_t* valid, AmxScratch& w) {
+  using BF = at::BFloat16;
+  const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs, nk32 = (nk + 31) / 32 * 32, pairs = nk32 / 2;
+  const float scale = static_cast<float>(a.scale);
+  int64_t any = 0;
+  for (int i = 0; i < RB; ++i)
+    for (int64_t c = 0; c < cb; ++c) any += valid[i * cb + c] = valid_keys(a, r0 + i, a.block_pos[c0 + c] * bs);
+  if (any == 0) return;  // a prefill row group before this chunk: nothing to merge
+  // The rows' query in the pair layout (rows past RB zero): B operand of the scores, 32 head values per tile.
+  BF* qp = w.qpack.data();
+  for (int64_t ks = 0; ks < d / 32; ++ks)
+    for (int64_t p = 0; p < 16; ++p)
+      for (int n = 0; n < kAmxRows; ++n)
+        for (int e = 0; e < 2; ++e)
+          qp[((ks * 16 + p) * kAmxRows + n) * 2 + e] = n < RB ? a.q_bf16[(r0 + n) * d + ks * 32 + 2 * p + e] : BF(0.f);
+  int64_t vmax[256];  // keys of each block some row sees (chunk_blocks <= 256: use_amx)
+  for (int64_t c = 0; c < cb; ++c) {
+    vmax[c] = 0;
+    for (int i = 0; i < RB; ++i) vmax[c] = std::max(vmax[c], valid[i * cb + c]);
+  }
+  // S^T, 16 keys per tile and two tiles at a time (independent accumulation chains sharing each load of Q); a group of
+  // 16 keys no row sees is not multiplied (its scores become -inf below).
+  float* st = w.st.data();
+  const auto seen = [&](int64_t g) { return g * 16 % bs < vmax[g * 16 / bs]; };
+  const auto key_row = [&](int64_t g) { return static_cast<const BF*>(a.kv[c0 + g * 16 / bs]) + (g * 16 % bs) * d; };
+  for (int64_t g = 0; g < nk / 16; g += 2) {
+    // The next block's K while this one is scored. Its V is left to the hardware prefetchers for the P x V runs:
+    // prefetching K and V here, or V a run ahead, measured slower (docs/benchmarks.md, "seventh session").
+    for (int64_t h = g; h < std::min(g + 2, nk / 16); ++h)
+      if (h * 16 % bs == 0 && c0 + h * 16 / bs + 1 < a.num_blocks) prefetch_bytes(a.kv[c0 + h * 16 / bs + 1], bs * d * 2);
+    const bool s0 = seen(g), s1 = g + 1 < nk / 16 && seen(g + 1);
+    if (!s0 && !s1) continue;
+    AKV_TILE_ZERO(0);
+    AKV_TILE_ZERO(1);
+    const BF* k0 = key_row(g);
+    const BF* k1 = s1 ? key_row(g + 1) : nullptr;
+    for (int64_t ks = 0; ks < d / 32; ++ks) {
+      AKV_TILE_LOAD(2, qp + ks * 16 * kAmxRows * 2, 4 * kAmxRows);
+      if (s0) {
+        AKV_TILE_LOAD(3, k0 + ks * 32, d * 2);
+        AKV_TILE_DPBF16PS(0, 3, 2);
+      }
+      if (s1) {
+        AKV_TILE_LOAD(4, k1 + ks * 32, d * 2);
+        AKV_TILE_DPBF16PS(1, 4, 2);
+      }
+    }
+    AKV_TILE_STORE(0, st + g * 16 * kAmxRows, 4 * kAmxRows);
+    if (g + 1 < nk / 16) AKV_TILE_STORE(1, st + (g + 1) * 16 * kAmxRows, 4 * kAmxRows);
+  }
+  // S^T to the rows' scores (16 keys x 4 rows -> 4 rows x 16 keys), scaled; keys past a row's limit become -inf.
+  static_assert(kAmxRows == 4, "the transposition below is for 4 rows");
+  alignas(64) static constexpr int32_t kRowOf[4][16] = {
+      {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60},
+      {1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61},
+      {2, 6, 10, 14, 18, 22, 26, 30, 34, 38, 42, 46, 50, 54, 58, 62},
+      {3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63}};
+  const __m512 vscale = _mm512_set1_ps(scale), vninf = _mm512_set1_ps(kNegInf);
+  for (int64_t g = 0; g < nk / 16; ++g) {
+    const int64_t c = g * 16 / bs, t0 = g * 16 % bs;
+    const float* sg = st + g * 16 * kAmxRows;
+    const __m512 z0 = _mm512_loadu_ps(sg), z1 = _mm512_loadu_ps(sg + 16), z2 = _mm512_loadu_ps(sg + 32),
+                 z3 = _mm512_loadu_ps(sg + 48);
+    for (int i = 0; i < RB; ++i) {
+      const int64_t n = std::clamp<int64_t>(valid[i * cb + c] - t0, 0, 16);
+      float* si = s + i * nk + g * 16;
+      if (n == 0) {
+        _mm512_storeu_ps(si, vninf);
+        continue;
+      }
+      const __m512i idx = _mm512_load_si512(kRowOf[i]);
+      // lanes 0-7 from z0/z1 (keys 0-7), lanes 8-15 from z2/z3 (keys 8-15), each via a two-source permute
+      const __m512 lo = _mm512_permutex2var_ps(z0, idx, z1);
+      const __m512 hi = _mm512_permutex2var_ps(z2, idx, z3);
+      const __m512 row = _mm512_mask_blend_ps(0xFF00, lo, hi);
+      const __mmask16 keep = static_cast<__mmask16>((1u << n) - 1u);
+      _mm512_storeu_ps(si, _mm512_mask_blend_ps(keep, vninf, _mm512_mul_ps(row, vscale)));
+    }
+  }
+  float alpha[RB];
+  merge_rows<RB>(a, r0, s, nk, alpha, w.pb.data(), nk32);
+  for (int i = RB; i < kAmxRows; ++i) std::fill(w.pb.data() + i * nk32, w.pb.data() + (i + 1) * nk32, BF(0.f));
+  // acc = acc * alpha + P V. The chunk's keys go in runs of whole blocks (amx_run_keys): each run's V is packed, then
+  // multiplied 32 keys at a time into the O tiles of 32 head values at a time, which add up the runs in ot
+  // ([d / 16][kAmxRows][16]).
+  const int64_t sub = amx_run_keys(bs, d);
+  float* ot = w.ot.data();
+  std::fill(ot, ot + d * kAmxRows, 0.f);
+  BF* vp = w.vp.data();
+  for (int64_t k0 = 0; k0 < nk32; k0 += sub) {
+    const int64_t kn = std::min(sub, nk32 - k0), run_pairs = kn / 2;  // kn: a multiple of 32
+    for (int64_t t = k0; t < k0 + kn; t += bs) {  // the run's blocks
+      const int64_t c = t / bs;
+      if (c < cb) {
+        pack_v_pairs(static_cast<const BF*>(a.kv[c0 + c]) + bs * d, bs, d, vmax[c], vp, run_pairs, (t - k0) / 2);
+      } else {  // past the chunk's keys (a short last chunk): zeros
+        for (int64_t jt = 0; jt < d / 16; ++jt)
+          std::fill(vp + (jt * run_pairs + (t - k0) / 2) * 32, vp + (jt + 1) * run_pairs * 32, BF(0.f));
+        break;
+      }
+    }
+    for (int64_t jt = 0; jt < d / 16; jt += 2) {
+      AKV_TILE_LOAD(5, ot + jt * kAmxRows * 16, 64);
+      AKV_TILE_LOAD(6, ot + (jt + 1) * kAmxRows * 16, 64);
+      for (int64_t k32 = 0; k32 < kn / 32; ++k32) {
+        AKV_TILE_LOAD(7, w.pb.data() + k0 + k32 * 32, nk32 * 2);
+        AKV_TILE_LOAD(3, vp + (jt * run_pairs + k32 * 16) * 32, 64);
+        AKV_TILE_LOAD(4, vp + ((jt + 1) * run_pairs + k32 * 16) * 32, 64);
+        AKV_TILE_DPBF16PS(5, 7, 3);
+        AKV_TILE_DPBF16PS(6, 7, 4);
+      }
+      AKV_TILE_STORE(5, ot + jt * kAmxRows * 16, 64);
+      AKV_TILE_STORE(6, ot + (jt + 1) * kAmxRows * 16, 64);
+    }
+  }
+  for (int64_t jt = 0; jt < d / 16; jt += 2) {
+    for (int i = 0; i < RB; ++i) {
+      float* acc = a.acc + (r0 + i) * d + jt * 16;
+      const Vec al(alpha[i]);
+      __m512 first, second;
+      unpermute_o(_mm512_loadu_ps(ot + (jt * kAmxRows + i) * 16), _mm512_loadu_ps(ot + ((jt + 1) * kAmxRows + i) * 16),
+                  first, second);
+      (Vec::loadu(acc) * al + Vec(first)).store(acc);
+      (Vec::loadu(acc + kW) * al + Vec(second)).store(acc + kW);
+    }
+  }
+}
+
+// Whether this call runs on AMX (see the section comment).
+bool use_amx(const AttendArgs& a) {
+  return a.dtype == at::kBFloat16 && a.q_bf16 != nullptr && a.head_size % 32 == 0 && a.block_size % 16 == 0 &&
+         a.chunk_blocks <= 256 && amx_ready();
+}
+
+void attend_amx(const AttendArgs& a) {
+  const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
+  thread_local std::vector<float> s;
+  thread_local std::vector<int64_t> valid;
+  thread_local AmxScratch w;
+  s.resize(kAmxRows * cmax * bs);
+  valid.resize(kAmxRows * cmax);
+  w.reserve((cmax * bs + 31) / 32 * 32, bs, d);
+  amx_configure();
+  for (int64_t c0 = 0; c0 < a.num_blocks; c0 += cmax) {
+    const int64_t cb = std::min(cmax, a.num_blocks - c0);
+    int64_t r0 = 0;
+    for (; r0 + kAmxRows <= a.rows; r0 += kAmxRows) chunk_rows_amx<kAmxRows>(a, r0, c0, cb, s.data(), valid.data(), w);
+    switch (a.rows - r0) {
+      case 3: chunk_rows_amx<3>(a, r0, c0, cb, s.data(), valid.data(), w); break;
+      case 2: chunk_rows_amx<2>(a, r0, c0, cb, s.data(), valid.data(), w); break;
+      case 1: chunk_rows_amx<1>(a, r0, c0, cb, s.data(), valid.data(), w); break;
+      default: break;
+    }
+  }
+  amx_release();
+}
+#endif
+
 constexpr int kRowBlock = 4;  // query rows sharing each pass over V (a GQA group of 4 in one pass)
 
 template <typename T>
 void attend(const AttendArgs& a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (std::is_same_v<T, at::BFloat16> && use_amx(a)) return attend_amx(a);
+#endif
   const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
   thread_local std::vector<float> s;
   thread_local std::vector<int64_t> valid;
@@ -331,6 +641,14 @@ bool uses_bf16_query(int64_t head_size) {
   return has_bf16_dot() && head_size % 16 == 0;  // score_keys_bf16_dot's tail handles 16 values
 #else
   (void)head_size;
+  return false;
+#endif
+}
+
+bool has_amx() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return amx_ready();
+#else
   return false;
 #endif
 }
