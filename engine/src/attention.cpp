@@ -45,8 +45,10 @@ void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tens
   auto k = tile.select(1, 0).reshape({kvh, n * bs, d}).to(at::kFloat);
   // Keys no query row sees (past the last query's position: slots of the last block nothing has been written to yet,
   // which may hold anything) get V = 0, so that their zero probabilities never meet a non-finite value.
+  // (In place on the float32 copy of a bfloat16/float16 tile; a float32 tile may be a view of the caller's KV.)
   auto unseen = mask.all(-2).reshape({-1, n * bs, 1});  // [1 or KVH, n * bs, 1]
-  auto v = tile.select(1, 1).reshape({kvh, n * bs, d}).to(at::kFloat).masked_fill(unseen, 0.0);
+  auto v = tile.select(1, 1).reshape({kvh, n * bs, d});
+  v = v.scalar_type() == at::kFloat ? v.masked_fill(unseen, 0.0) : v.to(at::kFloat).masked_fill_(unseen, 0.0);
   auto s = at::matmul(qg, k.transpose(1, 2));  // [KVH, G * Lq, n * bs]
   s.mul_(scale);
   s.view({kvh, g, lq, n * bs}).masked_fill_(mask, -std::numeric_limits<float>::infinity());
