@@ -238,7 +238,7 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   const int64_t admitted_before = telemetry_.get(Counter::kBlocksAdmitted);
   auto rows = plan_rows(L, plan, query);
   if (use_native()) {
-    forward_native(L, host, rows, scale);
+    forward_native(L, host, query, rows, out3, scale);
   } else {  // one unit admitted and computed at a time
     for (auto& w : rows) {
       for (size_t u = 0; u < w.num_units(); ++u) {
@@ -252,7 +252,8 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
       }
     }
   }
-  for (auto& w : rows) out3.narrow(0, w.q0, w.lq).copy_(ungroup_output(online_softmax_finish(w.st), w.lq));
+  if (!use_native())  // forward_native writes its rows' outputs itself
+    for (auto& w : rows) out3.narrow(0, w.q0, w.lq).copy_(ungroup_output(online_softmax_finish(w.st), w.lq));
   const int64_t admitted = telemetry_.get(Counter::kBlocksAdmitted) - admitted_before;
   telemetry_.observe_blocks_admitted(admitted);
   const auto us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
@@ -297,9 +298,11 @@ std::vector<Engine::RowWork> Engine::plan_rows(LayerState& L, const StepPlan& pl
     w.q0 = q0;
     w.lq = lq;
     w.seq = seq;
-    w.qg = group_query(q, g.num_kv_heads);
-    if (use_native() || use_cuda_kernel(w.qg.size(1))) w.qg = w.qg.contiguous();  // read by pointer
-    w.st = online_softmax_init(g.num_kv_heads, w.qg.size(1), g.head_size, device_);
+    if (!use_native()) {  // forward_native groups every row's query in one buffer of its own
+      w.qg = group_query(q, g.num_kv_heads);
+      if (use_cuda_kernel(w.qg.size(1))) w.qg = w.qg.contiguous();  // read by pointer
+      w.st = online_softmax_init(g.num_kv_heads, w.qg.size(1), g.head_size, device_);
+    }
     if (config_.mode == Mode::kCompressed && lq == 1 && nb > budget_blocks) {
       selecting.push_back({rows.size() - 1, r, nb, block_row, q});
     } else {
@@ -485,20 +488,78 @@ void Engine::cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const s
 // tasks split over ATen's intra-op threads, each task's blocks attended in order by one thread, in tiles of
 // tile_blocks (the kernel's online-softmax merge unit; rounds hold whole tiles, so a row's arithmetic does not depend
 // on the rounds, the pool size or the thread count).
-void Engine::forward_native(LayerState& L, const at::Tensor& host, std::vector<RowWork>& rows, double scale) {
+namespace {
+
+// Query rows of the CPU kernel, grouped per KV head as group_query lays them out: row r of the forward, KV head hh,
+// group member gi and token t is row (off + hh * G * lq + gi * lq + t) of q [rows, D] float32 (and of q_bf16, the
+// bfloat16 query as given, where non-null). Plain loops over the query's strides: no ATen op per request row.
+template <typename T>
+void group_rows(const at::Tensor& query, int64_t q0, int64_t lq, int64_t kvh, int64_t group, int64_t d, float* q,
+                at::BFloat16* q_bf16) {
+  const T* src = query.data_ptr<T>();
+  const int64_t s0 = query.stride(0), s1 = query.stride(1), s2 = query.stride(2);
+  for (int64_t hh = 0; hh < kvh; ++hh)
+    for (int64_t gi = 0; gi < group; ++gi)
+      for (int64_t t = 0; t < lq; ++t) {
+        const T* x = src + (q0 + t) * s0 + (hh * group + gi) * s1;
+        const int64_t row = (hh * group + gi) * lq + t;
+        for (int64_t j = 0; j < d; ++j) q[row * d + j] = static_cast<float>(x[j * s2]);
+        if constexpr (std::is_same_v<T, at::BFloat16>)
+          if (q_bf16 != nullptr)
+            for (int64_t j = 0; j < d; ++j) q_bf16[row * d + j] = x[j * s2];
+      }
+}
+
+// out[q0 + t, hh * G + gi, :] = acc / l of that grouped row (online_softmax_finish and ungroup_output of the ATen
+// path: one float32 division per element, then the output dtype's rounding). out: [tokens, heads, D] contiguous.
+template <typename T>
+void finish_rows(const float* acc, const float* l, int64_t q0, int64_t lq, int64_t kvh, int64_t group, int64_t d,
+                 const at::Tensor& out) {
+  T* dst = out.data_ptr<T>();
+  const int64_t heads = kvh * group;
+  for (int64_t hh = 0; hh < kvh; ++hh)
+    for (int64_t gi = 0; gi < group; ++gi)
+      for (int64_t t = 0; t < lq; ++t) {
+        const int64_t row = (hh * group + gi) * lq + t;
+        T* o = dst + ((q0 + t) * heads + hh * group + gi) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[row * d + j] / l[row]);
+      }
+}
+
+}  // namespace
+
+void Engine::forward_native(LayerState& L, const at::Tensor& host, const at::Tensor& query, std::vector<RowWork>& rows,
+                            const at::Tensor& out3, double scale) {
   const auto& g = geometry();
   const int64_t kvh = g.num_kv_heads, d = g.head_size, bs = g.block_size, tb = g.tile_blocks;
+  const int64_t group = g.num_heads / kvh;
   const int64_t pool = static_cast<int64_t>(L.block_of_slot.size());
   // A row's blocks in the current round: pool slots and row positions of head hh at [hh * head_stride, + count).
   // Every head of an exact row reads the same blocks (head_stride 0); a compressed row's heads read m each.
   struct Round {
     std::vector<int64_t> slots, pos;
     int64_t head_stride = 0;
-    at::Tensor q_bf16;  // [KVH, rows, D] the query rounded to bfloat16 (exact: it was widened from it), where read
   };
   std::vector<Round> round(rows.size());
-  if (g.dtype == at::kBFloat16 && cpu_kernel_uses_bf16_query(d))
-    for (size_t i = 0; i < rows.size(); ++i) round[i].q_bf16 = rows[i].qg.to(at::kBFloat16).contiguous();
+  // Every row's grouped query and online-softmax state (running max, sum, accumulator) in one buffer each: row i's
+  // grouped rows start at first[i] (kvh * G * lq of them).
+  std::vector<int64_t> first(rows.size() + 1, 0);
+  for (size_t i = 0; i < rows.size(); ++i) first[i + 1] = first[i] + kvh * group * rows[i].lq;
+  const int64_t total = first.back();
+  std::vector<float> qbuf(total * d), mbuf(total, -std::numeric_limits<float>::infinity()), lbuf(total, 0.f),
+      accbuf(total * d, 0.f);
+  // The query rounded to bfloat16 (exactly the model's bfloat16 query) where the kernel reads it.
+  std::vector<at::BFloat16> qb16(g.dtype == at::kBFloat16 && cpu_kernel_uses_bf16_query(d) ? total * d : 0);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    float* q = qbuf.data() + first[i] * d;
+    at::BFloat16* qb = qb16.empty() ? nullptr : qb16.data() + first[i] * d;
+    switch (g.dtype) {
+      case at::kFloat: group_rows<float>(query, rows[i].q0, rows[i].lq, kvh, group, d, q, qb); break;
+      case at::kBFloat16: group_rows<at::BFloat16>(query, rows[i].q0, rows[i].lq, kvh, group, d, q, qb); break;
+      case at::kHalf: group_rows<at::Half>(query, rows[i].q0, rows[i].lq, kvh, group, d, q, qb); break;
+      default: AKV_CHECK_TYPE(false, "the CPU kernel supports float32, bfloat16 and float16, got ", g.dtype);
+    }
+  }
   TilePins pins{L, {}};  // the round's slots in admission order
   int64_t round_tiles = 0;
   const auto* pool_bytes = static_cast<const char*>(L.pool.data_ptr());
@@ -526,7 +587,7 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, std::vector<R
       for (int64_t t = begin; t < end; ++t) {
         RowWork& row = rows[tasks[t].first];
         const Round& rr = round[tasks[t].first];
-        const int64_t h0 = tasks[t].second, nrows = row.qg.size(1);
+        const int64_t h0 = tasks[t].second, nrows = group * row.lq, base = first[tasks[t].first];
         const int64_t count = rr.head_stride > 0 ? rr.head_stride : static_cast<int64_t>(rr.slots.size());
         a.rows = nrows;
         a.num_q = row.lq;
@@ -538,14 +599,14 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, std::vector<R
             const int64_t* slots = rr.slots.data() + hh * rr.head_stride + j;
             ptrs.resize(n);
             for (int64_t i = 0; i < n; ++i) ptrs[i] = pool_bytes + (slots[i] * kvh + hh) * run_bytes;
-            a.q = row.qg.data_ptr<float>() + hh * nrows * d;
-            a.q_bf16 = rr.q_bf16.defined() ? rr.q_bf16.data_ptr<at::BFloat16>() + hh * nrows * d : nullptr;
+            a.q = qbuf.data() + (base + hh * nrows) * d;
+            a.q_bf16 = qb16.empty() ? nullptr : qb16.data() + (base + hh * nrows) * d;
             a.num_blocks = n;
             a.kv = ptrs.data();
             a.block_pos = rr.pos.data() + hh * rr.head_stride + j;
-            a.m = row.st.m.data_ptr<float>() + hh * nrows;
-            a.l = row.st.l.data_ptr<float>() + hh * nrows;
-            a.acc = row.st.acc.data_ptr<float>() + hh * nrows * d;
+            a.m = mbuf.data() + base + hh * nrows;
+            a.l = lbuf.data() + base + hh * nrows;
+            a.acc = accbuf.data() + (base + hh * nrows) * d;
             attend_blocks_cpu(a);
           }
         }
@@ -585,6 +646,15 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, std::vector<R
     }
   }
   if (!pins.slots.empty()) run_round();
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const float* acc = accbuf.data() + first[i] * d;
+    const float* l = lbuf.data() + first[i];
+    switch (g.dtype) {
+      case at::kFloat: finish_rows<float>(acc, l, rows[i].q0, rows[i].lq, kvh, group, d, out3); break;
+      case at::kBFloat16: finish_rows<at::BFloat16>(acc, l, rows[i].q0, rows[i].lq, kvh, group, d, out3); break;
+      default: finish_rows<at::Half>(acc, l, rows[i].q0, rows[i].lq, kvh, group, d, out3); break;
+    }
+  }
 }
 
 }  // namespace activekv

@@ -141,8 +141,9 @@ class Engine {
   /// tiles of tile_blocks blocks; a compressed decode row: one unit, the union of its heads' selections).
   struct RowWork {
     int64_t q0 = 0, lq = 0, seq = 0;
-    at::Tensor qg;  ///< [KVH, G * lq, D] float32 from group_query (contiguous where a kernel reads it by pointer)
-    OnlineSoftmax st;
+    at::Tensor qg;  ///< [KVH, G * lq, D] float32 from group_query (contiguous where a kernel reads it by pointer);
+                    ///< undefined with the CPU kernel (forward_native)
+    OnlineSoftmax st;  ///< likewise
     std::optional<RowSelection> sel;          ///< compressed decode rows only
     std::vector<std::vector<int64_t>> tiles;  ///< exact rows: block ids of each tile; empty for a compressed row
     size_t num_units() const { return sel ? 1 : tiles.size(); }
@@ -159,7 +160,10 @@ class Engine {
   void attend_selected(LayerState& L, RowWork& w, const std::vector<int64_t>& union_slots, double scale);
   /// Every row of a forward with the CPU kernel (engine.cpp): admission units in request order while they fit the
   /// pool together, one kernel call (one parallel region) per round over all (row, KV head) tasks.
-  void forward_native(LayerState& L, const at::Tensor& host, std::vector<RowWork>& rows, double scale);
+  /// The rows' grouped queries and online-softmax state live in buffers of its own (RowWork::qg / st stay undefined),
+  /// and it writes every row's output into out3 [tokens, heads, D] itself.
+  void forward_native(LayerState& L, const at::Tensor& host, const at::Tensor& query, std::vector<RowWork>& rows,
+                      const at::Tensor& out3, double scale);
   /// The CUDA kernel (cuda_kernel.h) for a tile: slots[h * n + j] is the pool slot of head h's j-th block, at row
   /// position pos[h * n + j].
   void cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,
