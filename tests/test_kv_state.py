@@ -342,6 +342,42 @@ def test_key_metadata_resets_when_a_block_is_refilled(dtype: torch.dtype) -> Non
     assert torch.equal(state.key_min(0), kmin) and torch.equal(state.key_max(0), kmax)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cpu_write_matches_the_aten_index_put_and_scatter(dtype: torch.dtype) -> None:
+    """On CPU the write is plain loops (kv_state.cpp write_cpu); other devices use ATen's index_put_ and
+    scatter_reduce_. The cache bytes match index assignment bit for bit; the key min/max match scatter_reduce_
+    amin/amax value for value with NaN, signed zeros and infinities in one block (a tie of -0 and +0 may keep either
+    zero, and a NaN's payload may differ: ATen leaves both unspecified, and neither changes a Quest score). Key and value
+    are strided views of a wider tensor, as vLLM's split of a fused qkv gives them."""
+    state = make_state(dtype)
+    cache = vllm_cache(dtype)
+    before = cache.clone()
+    n = 2 * BLOCK_SIZE + 1
+    gen = torch.Generator().manual_seed(30)
+    qkv = torch.randn(n, 3, NUM_KV_HEADS, HEAD_SIZE, generator=gen).to(dtype)
+    special = torch.tensor([float("nan"), 0.0, -0.0, float("inf"), -float("inf"), -0.0, 0.0, 1.0]).to(dtype)
+    qkv[:HEAD_SIZE, 1, 0, 0] = special[:HEAD_SIZE]  # one head-dim value across the first block's tokens
+    qkv[2, 1, 1, :] = -0.0
+    qkv[3, 1, 1, :] = 0.0
+    key, value = qkv[:, 1], qkv[:, 2]
+    assert not key.is_contiguous()
+    slots = torch.tensor([5, 4, 6, 7, 12, 13, 14, 15, 0])
+    state.write(0, cache, key, value, slots)
+    blk, off = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    want = block_view(before.clone())
+    want[blk, :, 0, off] = key
+    want[blk, :, 1, off] = value
+    assert torch.equal(block_view(cache).view(torch.int8), want.view(torch.int8))
+    nb, width = NUM_BLOCKS, NUM_KV_HEADS * HEAD_SIZE
+    index = blk.unsqueeze(1).expand(n, width)
+    for name, reduce, init in (("key_min", "amin", float("inf")), ("key_max", "amax", -float("inf"))):
+        expect = torch.full((nb, width), init).scatter_reduce_(0, index, key.float().reshape(n, width), reduce,
+                                                              include_self=True)
+        got = getattr(state, name)(0).reshape(nb, width)
+        torch.testing.assert_close(got, expect, rtol=0, atol=0, equal_nan=True, msg=name)
+        assert got.isnan().any() and (got == 0).any()  # the special values reached the metadata
+
+
 def test_key_metadata_of_a_one_token_block() -> None:
     state = make_state()
     cache = vllm_cache(torch.float32)

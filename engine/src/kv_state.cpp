@@ -3,6 +3,8 @@
 #include <activekv/kv_state.h>
 #include <activekv/transfer.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <unordered_set>
 
@@ -10,6 +12,52 @@ namespace activekv {
 
 namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// The CPU write of KVState::write as plain loops (no ATen op per call): for each token i, K and V of every KV head to
+// the host tier at (blk[i], off[i]) and, where the block is resident (slot[i] >= 0), to its pool copy; then the key
+// min/max of every written block, reset first where a token lands at offset 0. The same values as the ATen ops of
+// the other devices: copies are exact, and min/max propagate NaN as scatter_reduce's amin/amax do (of -0 and +0 the
+// first written stays; ATen leaves that tie, and a NaN's payload, unspecified). key/value [N, KVH, D] and host [num_blocks, KVH, 2, bs, D] of any strides; pool and key_min/max
+// contiguous.
+template <typename T>
+void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at::Tensor& key_max,
+               const at::Tensor& key, const at::Tensor& value, const std::vector<int64_t>& tok,
+               const std::vector<int64_t>& blk, const std::vector<int64_t>& off, const std::vector<int64_t>& slot,
+               const std::vector<int64_t>& reset) {
+  const int64_t kvh = host.size(1), bs = host.size(3), d = host.size(4);
+  T* h = host.data_ptr<T>();
+  T* p = pool.data_ptr<T>();
+  float* mn = key_min.data_ptr<float>();
+  float* mx = key_max.data_ptr<float>();
+  const auto hs = host.strides();
+  for (const int64_t b : reset) {
+    std::fill(mn + b * kvh * d, mn + (b + 1) * kvh * d, kInf);
+    std::fill(mx + b * kvh * d, mx + (b + 1) * kvh * d, -kInf);
+  }
+  for (size_t i = 0; i < tok.size(); ++i) {
+    for (int64_t hh = 0; hh < kvh; ++hh) {
+      for (int kv = 0; kv < 2; ++kv) {
+        const at::Tensor& src_t = kv == 0 ? key : value;
+        const T* src = src_t.data_ptr<T>() + tok[i] * src_t.stride(0) + hh * src_t.stride(1);
+        const int64_t ss = src_t.stride(2);
+        T* dst = h + blk[i] * hs[0] + hh * hs[1] + kv * hs[2] + off[i] * hs[3];
+        for (int64_t j = 0; j < d; ++j) dst[j * hs[4]] = src[j * ss];
+        if (slot[i] >= 0) {
+          T* pd = p + (((slot[i] * kvh + hh) * 2 + kv) * bs + off[i]) * d;
+          for (int64_t j = 0; j < d; ++j) pd[j] = src[j * ss];
+        }
+      }
+      const T* k = key.data_ptr<T>() + tok[i] * key.stride(0) + hh * key.stride(1);
+      float* bmn = mn + (blk[i] * kvh + hh) * d;
+      float* bmx = mx + (blk[i] * kvh + hh) * d;
+      for (int64_t j = 0; j < d; ++j) {
+        const float x = static_cast<float>(k[j * key.stride(2)]);
+        if (std::isnan(x) || x < bmn[j]) bmn[j] = std::isnan(bmn[j]) ? bmn[j] : x;
+        if (std::isnan(x) || x > bmx[j]) bmx[j] = std::isnan(bmx[j]) ? bmx[j] : x;
+      }
+    }
+  }
+}
 }  // namespace
 
 KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device)
@@ -130,6 +178,22 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
   if (tok.empty()) return;
 
   const int64_t nt = static_cast<int64_t>(tok.size());
+  if (device_.is_cpu() && host.is_cpu()) {
+    std::vector<int64_t> slot(nt);
+    int64_t through = 0;
+    for (int64_t i = 0; i < nt; ++i) through += (slot[i] = l.slot_of_block[blk[i]]) >= 0 ? 1 : 0;
+    switch (g_.dtype) {
+      case at::kFloat: write_cpu<float>(host, l.pool, l.key_min, l.key_max, key, value, tok, blk, off, slot, reset); break;
+      case at::kBFloat16:
+        write_cpu<at::BFloat16>(host, l.pool, l.key_min, l.key_max, key, value, tok, blk, off, slot, reset);
+        break;
+      case at::kHalf: write_cpu<at::Half>(host, l.pool, l.key_min, l.key_max, key, value, tok, blk, off, slot, reset); break;
+      default: AKV_CHECK_TYPE(false, "KV dtype must be float32, bfloat16 or float16, got ", g_.dtype);
+    }
+    t.add(Counter::kTokensWritten, nt);
+    if (through > 0) t.add(Counter::kWriteThroughTokens, through);
+    return;
+  }
   auto blk_t = index_tensor(blk, device_);
   auto off_t = index_tensor(off, device_);
   using at::indexing::Slice;
