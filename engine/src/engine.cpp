@@ -592,9 +592,13 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, const at::Ten
         a.rows = nrows;
         a.num_q = row.lq;
         a.first_query_pos = row.seq - row.lq;
-        // Tile after tile, head after head: each (row, head) still sees its blocks in order, in tiles of tb.
-        for (int64_t j = 0; j < count; j += tb) {
-          const int64_t n = std::min(tb, count - j);
+        // Exact rows: tile after tile, head after head (every head reads the same slots, whose K and V of all heads
+        // lie side by side, so the pool is read close to its address order). Compressed rows: head after head, each
+        // head's blocks in one call (the heads' blocks differ, so nothing is shared between them, and the kernel then
+        // prefetches across tiles). Each (row, head) sees its blocks in order, in tiles of tb, either way.
+        const int64_t step = rr.head_stride > 0 ? count : tb;
+        for (int64_t j = 0; j < count; j += step) {
+          const int64_t n = std::min(step, count - j);
           for (int64_t hh = h0; hh < h0 + per_task; ++hh) {
             const int64_t* slots = rr.slots.data() + hh * rr.head_stride + j;
             ptrs.resize(n);
