@@ -368,8 +368,8 @@ constexpr int kAmxRows = 4;  // query rows per tile multiply: the M of P x V, th
   asm volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
 #define AKV_TILE_STORE(t, base, stride) \
   asm volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
-#define AKV_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::)
-#define AKV_TILE_DPBF16PS(dst, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #dst ::)
+#define AKV_TILE_ZERO(t) asm volatile("tilezero %%tmm" #t ::: "memory")
+#define AKV_TILE_DPBF16PS(dst, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #dst ::: "memory")
 
 struct TileConfig {  // the 64-byte operand of ldtilecfg, palette 1
   uint8_t palette = 1;
@@ -396,6 +396,8 @@ void amx_configure() {
   asm volatile("ldtilecfg %0" ::"m"(c));
 }
 
+// Every attend call configures the tiles and releases them at its end (as ATen's brgemm users call brgemm_release),
+// so no other AMX user on the thread (oneDNN in a bfloat16 GEMM) finds or leaves a configuration it did not make.
 void amx_release() { asm volatile("tilerelease" ::: "memory"); }
 
 // Keys per run of P x V: whole blocks, a multiple of 32, and about 16 KiB of V in the pair layout (so the packed copy
@@ -424,7 +426,9 @@ struct AmxScratch {
 // first_pair + p of vp [d / 16][pairs][16][2]. Within each 32 head values the pairs come in the order of AVX-512's
 // 16-bit unpacks (one instruction each): tile j / 16 holds head values j + 8q + r, tile j / 16 + 1 holds j + 8q + 4 + r
 // (q, r < 4) at column 4q + r; unpermute_o puts P x V's columns back. Keys from vmax on (no row sees them; the slot may
-// hold anything) are written as zeros, so that their zero probabilities never meet a non-finite value.
+// hold anything) are written as zeros, so that their zero probabilities never meet a non-finite value. A key one row
+// of the group sees and another does not (prefill rows within a block) is a written slot: a non-finite V there reaches
+// the other row as 0 * inf, as in the ATen path's matmul (the AVX-512 loop skips it per row).
 inline void pack_v_pairs(const at::BFloat16* v, int64_t bs, int64_t d, int64_t vmax, at::BFloat16* vp, int64_t pairs,
                          int64_t first_pair) {
   for (int64_t p = 0; p < bs / 2; ++p) {
