@@ -478,21 +478,11 @@ void Engine::cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const s
   cuda_attend()(a);
 }
 
-// The CPU kernel's forward: one parallel region per round over the whole batch, not one per request row.
-//
-// The rows' admission units, in request order (plan_rows), are admitted while each fits beside those held, as the
-// ATen / CUDA paths admit them one at a time: a held unit's slots are the newest in LRU order, so no unit that fits
-// would have evicted them, and pins are released in admission order, so the slots, hits, evictions, LRU order and
-// telemetry are those of one unit at a time (checked against the ATen path on the parity cells). When the next unit
-// does not fit, or after the last one, the kernel runs over every (request row, KV head) with blocks in the round:
-// tasks split over ATen's intra-op threads, each task's blocks attended in order by one thread, in tiles of
-// tile_blocks (the kernel's online-softmax merge unit; rounds hold whole tiles, so a row's arithmetic does not depend
-// on the rounds, the pool size or the thread count).
 namespace {
 
-// Query rows of the CPU kernel, grouped per KV head as group_query lays them out: row r of the forward, KV head hh,
-// group member gi and token t is row (off + hh * G * lq + gi * lq + t) of q [rows, D] float32 (and of q_bf16, the
-// bfloat16 query as given, where non-null). Plain loops over the query's strides: no ATen op per request row.
+// Query rows of the CPU kernel, grouped per KV head as group_query lays them out: of a request row whose grouped rows
+// start at q, KV head hh, group member gi and token t is row hh * G * lq + gi * lq + t of q [rows, D] float32 (and of
+// q_bf16, the bfloat16 query as given, where non-null). Plain loops over the query's strides: no ATen op per row.
 template <typename T>
 void group_rows(const at::Tensor& query, int64_t q0, int64_t lq, int64_t kvh, int64_t group, int64_t d, float* q,
                 at::BFloat16* q_bf16) {
@@ -528,6 +518,16 @@ void finish_rows(const float* acc, const float* l, int64_t q0, int64_t lq, int64
 
 }  // namespace
 
+// The CPU kernel's forward: one parallel region per round over the whole batch, not one per request row.
+//
+// The rows' admission units, in request order (plan_rows), are admitted while each fits beside those held, as the
+// ATen / CUDA paths admit them one at a time: a held unit's slots are the newest in LRU order, so no unit that fits
+// would have evicted them, and pins are released in admission order, so the slots, hits, evictions, LRU order and
+// telemetry are those of one unit at a time (checked against the ATen path on the parity cells). When the next unit
+// does not fit, or after the last one, the kernel runs over every (request row, KV head) with blocks in the round:
+// tasks split over ATen's intra-op threads, each task's blocks attended in order by one thread, in tiles of
+// tile_blocks (the kernel's online-softmax merge unit; rounds hold whole tiles, so a row's arithmetic does not depend
+// on the rounds, the pool size or the thread count).
 void Engine::forward_native(LayerState& L, const at::Tensor& host, const at::Tensor& query, std::vector<RowWork>& rows,
                             const at::Tensor& out3, double scale) {
   const auto& g = geometry();
