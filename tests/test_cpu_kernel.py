@@ -235,7 +235,7 @@ from tests.test_cpu_kernel import run
 from tests.parity_cells import Cell
 torch.set_num_threads(int(sys.argv[2]))
 bf = torch.bfloat16
-cells = [  # (cell, tile_blocks): decode and prefill rows, 1 / 4 / 8 query rows per KV head, short and long tiles
+cells = [  # (cell, tile_blocks): decode and prefill rows, 1 to 8 query rows per KV head, short and long tiles
     (Cell(bf, 128, 4, 16, "unaligned", True, 3, True), None),
     (Cell(bf, 64, 8, 32, "aligned", False, 1, False), None),
     (Cell(bf, 128, 1, 16, "multiple", False, 3, True, mode="compressed"), None),
@@ -263,8 +263,8 @@ def test_amx_path_agrees_with_the_avx512_path_within_tolerance(tmp_path) -> None
     cells that reach its row padding (1 and 8 query rows per KV head), short last tiles, several runs of keys per
     tile (tile 8 x block 32), a tile that is not a multiple of 32 keys (9 x 16), a block longer than a run (128
     keys), a block of 48 keys, head sizes 32, 96 (an odd count of 16-value tiles) and 256, and 3 query rows per KV
-    head; the AMX run is also bit-identical
-    across 1 and 2 threads. Skipped where the processor or kernel has no AMX: then both runs are the same path."""
+    head; the AMX run is also bit-identical across 1 and 2 threads. Skipped where the processor or kernel has no AMX:
+    then both runs are the same path."""
     if not (_processor_has_amx_bf16() and backend.cpu_kernel_capability() == "avx512"):
         pytest.skip("no AMX-BF16 with the avx512 capability here: the kernel never takes the AMX path")
     root = os.path.dirname(os.path.dirname(__file__))
