@@ -30,6 +30,9 @@ void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at
   float* mn = key_min.data_ptr<float>();
   float* mx = key_max.data_ptr<float>();
   const auto hs = host.strides();
+  const T* const src_base[2] = {key.data_ptr<T>(), value.data_ptr<T>()};
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks2 = key.stride(2);
+  const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs2 = value.stride(2);
   for (const int64_t b : reset) {
     std::fill(mn + b * kvh * d, mn + (b + 1) * kvh * d, kInf);
     std::fill(mx + b * kvh * d, mx + (b + 1) * kvh * d, -kInf);
@@ -37,9 +40,8 @@ void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at
   for (size_t i = 0; i < tok.size(); ++i) {
     for (int64_t hh = 0; hh < kvh; ++hh) {
       for (int kv = 0; kv < 2; ++kv) {
-        const at::Tensor& src_t = kv == 0 ? key : value;
-        const T* src = src_t.data_ptr<T>() + tok[i] * src_t.stride(0) + hh * src_t.stride(1);
-        const int64_t ss = src_t.stride(2);
+        const T* src = src_base[kv] + tok[i] * (kv == 0 ? ks0 : vs0) + hh * (kv == 0 ? ks1 : vs1);
+        const int64_t ss = kv == 0 ? ks2 : vs2;
         T* dst = h + blk[i] * hs[0] + hh * hs[1] + kv * hs[2] + off[i] * hs[3];
         for (int64_t j = 0; j < d; ++j) dst[j * hs[4]] = src[j * ss];
         if (slot[i] >= 0) {
@@ -47,11 +49,11 @@ void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at
           for (int64_t j = 0; j < d; ++j) pd[j] = src[j * ss];
         }
       }
-      const T* k = key.data_ptr<T>() + tok[i] * key.stride(0) + hh * key.stride(1);
+      const T* k = src_base[0] + tok[i] * ks0 + hh * ks1;
       float* bmn = mn + (blk[i] * kvh + hh) * d;
       float* bmx = mx + (blk[i] * kvh + hh) * d;
       for (int64_t j = 0; j < d; ++j) {
-        const float x = static_cast<float>(k[j * key.stride(2)]);
+        const float x = static_cast<float>(k[j * ks2]);
         if (std::isnan(x) || x < bmn[j]) bmn[j] = std::isnan(bmn[j]) ? bmn[j] : x;
         if (std::isnan(x) || x > bmx[j]) bmx[j] = std::isnan(bmx[j]) ? bmx[j] : x;
       }
