@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <unordered_set>
 
 namespace activekv {
@@ -15,10 +16,10 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // The CPU write of KVState::write as plain loops (no ATen op per call): for each token i, K and V of every KV head to
 // the host tier at (blk[i], off[i]) and, where the block is resident (slot[i] >= 0), to its pool copy; then the key
-// min/max of every written block, reset first where a token lands at offset 0. The same values as the ATen ops of
-// the other devices: copies are exact, and min/max propagate NaN as scatter_reduce's amin/amax do (of -0 and +0 the
-// first written stays; ATen leaves that tie, and a NaN's payload, unspecified). key/value [N, KVH, D] and host [num_blocks, KVH, 2, bs, D] of any strides; pool and key_min/max
-// contiguous.
+// min/max of every written block, reset first where a token lands at offset 0. The same values as the ATen ops of the
+// other devices: copies are exact, and min/max propagate NaN as scatter_reduce's amin/amax do (of -0 and +0 the first
+// written stays; ATen leaves that tie, and a NaN's payload, unspecified). key/value [N, KVH, D] and host [num_blocks,
+// KVH, 2, bs, D] of any strides; pool and key_min/max contiguous.
 template <typename T>
 void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at::Tensor& key_max,
                const at::Tensor& key, const at::Tensor& value, const std::vector<int64_t>& tok,
@@ -184,12 +185,14 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
     std::vector<int64_t> slot(nt);
     int64_t through = 0;
     for (int64_t i = 0; i < nt; ++i) through += (slot[i] = l.slot_of_block[blk[i]]) >= 0 ? 1 : 0;
+    const auto write = [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      write_cpu<T>(host, l.pool, l.key_min, l.key_max, key, value, tok, blk, off, slot, reset);
+    };
     switch (g_.dtype) {
-      case at::kFloat: write_cpu<float>(host, l.pool, l.key_min, l.key_max, key, value, tok, blk, off, slot, reset); break;
-      case at::kBFloat16:
-        write_cpu<at::BFloat16>(host, l.pool, l.key_min, l.key_max, key, value, tok, blk, off, slot, reset);
-        break;
-      case at::kHalf: write_cpu<at::Half>(host, l.pool, l.key_min, l.key_max, key, value, tok, blk, off, slot, reset); break;
+      case at::kFloat: write(static_cast<float*>(nullptr)); break;
+      case at::kBFloat16: write(static_cast<at::BFloat16*>(nullptr)); break;
+      case at::kHalf: write(static_cast<at::Half*>(nullptr)); break;
       default: AKV_CHECK_TYPE(false, "KV dtype must be float32, bfloat16 or float16, got ", g_.dtype);
     }
     t.add(Counter::kTokensWritten, nt);

@@ -482,7 +482,8 @@ void chunk_rows_amx(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, flo
     // The next block's K while this one is scored. Its V is left to the hardware prefetchers for the P x V runs:
     // prefetching K and V here, or V a run ahead, measured slower (docs/benchmarks.md, "seventh session").
     for (int64_t h = g; h < std::min(g + 2, nk / 16); ++h)
-      if (h * 16 % bs == 0 && c0 + h * 16 / bs + 1 < a.num_blocks) prefetch_bytes(a.kv[c0 + h * 16 / bs + 1], bs * d * 2);
+      if (h * 16 % bs == 0 && c0 + h * 16 / bs + 1 < a.num_blocks)
+        prefetch_bytes(a.kv[c0 + h * 16 / bs + 1], bs * d * 2);
     const bool s0 = seen(g), s1 = g + 1 < nk / 16 && seen(g + 1);
     if (!s0 && !s1) continue;
     AKV_TILE_ZERO(0);
