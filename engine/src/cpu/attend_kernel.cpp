@@ -102,6 +102,11 @@ inline void score_keys(const float* q, const T* k, int64_t d, int64_t n, float s
       for (int64_t t = 0; t < n; ++t) acc[t] = at::vec::fmadd(qv, load_float(k + t * d + j), acc[t]);
     }
   }
+  if (n == kW && dv == d) {  // the common case: scaled as one vector
+    lane_sums(acc, out);
+    (Vec::loadu(out) * Vec(scale)).store(out);
+    return;
+  }
   float sums[kW];
   lane_sums(acc, sums);
   for (int64_t t = 0; t < n; ++t) {
@@ -180,27 +185,37 @@ inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
 // the processors measured: docs/benchmarks.md, "Issue 9, sixth session").
 constexpr int64_t kChunkVInL1 = 32 * 1024;
 
-// o[i][u] += sum over t < lim[i] of p[i * nk + t] * v[t, j + u * kW ..], keys in order, for the RB rows and NJ vectors
-// of the head held in registers (one block's V; p: the rows' probabilities of the block's keys, row stride nk). Both
-// loop orders of P x V in chunk_rows accumulate through this.
-template <typename T, int RB, int NJ>
+// o[i][u] += sum over t < lim[i] of p[i * nk + t] * v[t, j + u * kW ..], for the RB rows and NJ vectors of the head
+// held in registers (one block's V; p: the rows' probabilities of the block's keys, row stride nk). Both loop orders
+// of P x V in chunk_rows accumulate through this. With e (kSplit) the odd keys go to e instead of o: twice the
+// independent chains of fused multiply-adds, for small heads where RB * NJ chains alone wait on the adds' latency;
+// the caller adds e to o once per chunk.
+template <typename T, int RB, int NJ, bool kSplit = false>
 inline void accumulate_block(const T* v, int64_t d, int64_t j, const float* p, int64_t nk, const int64_t* lim,
-                             Vec (&o)[RB][NJ]) {
+                             Vec (&o)[RB][NJ], Vec (*e)[NJ] = nullptr) {
   int64_t vmax = 0, vmin = std::numeric_limits<int64_t>::max();
   for (int i = 0; i < RB; ++i) {
     vmax = std::max(vmax, lim[i]);
     vmin = std::min(vmin, lim[i]);
   }
   const auto keys = [&](auto uniform) {  // uniform limits (decode rows, prefill rows past the block): no test per row
-    for (int64_t t = 0; t < vmax; ++t) {
+    const auto key = [&](int64_t t, Vec(*acc)[NJ]) {
       Vec vt[NJ];
       for (int u = 0; u < NJ; ++u) vt[u] = load_float(v + t * d + j + u * kW);
       for (int i = 0; i < RB; ++i) {
         if (!decltype(uniform)::value && t >= lim[i]) continue;
         const Vec pt(p[i * nk + t]);
-        for (int u = 0; u < NJ; ++u) o[i][u] = at::vec::fmadd(pt, vt[u], o[i][u]);
+        for (int u = 0; u < NJ; ++u) acc[i][u] = at::vec::fmadd(pt, vt[u], acc[i][u]);
+      }
+    };
+    int64_t t = 0;
+    if constexpr (kSplit) {
+      for (; t + 2 <= vmax; t += 2) {
+        key(t, o);
+        key(t + 1, e);
       }
     }
+    for (; t < vmax; ++t) key(t, o);
   };
   if (vmin == vmax) {
     keys(std::true_type{});
@@ -274,11 +289,12 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
     for (int64_t c = 0; c < cb; ++c) any += valid[i * cb + c] = valid_keys(a, r0 + i, a.block_pos[c0 + c] * bs);
   if (any == 0) return;  // a prefill row group before this chunk: nothing to merge
   // Scores, block by block so the block's K stays in L1 across the rows; keys past a row's limit become -inf.
-  const int64_t block_bytes = 2 * bs * d * static_cast<int64_t>(sizeof(T));
+  const int64_t k_bytes = bs * d * static_cast<int64_t>(sizeof(T));
   for (int64_t c = 0; c < cb; ++c) {
     const T* k = static_cast<const T*>(a.kv[c0 + c]);
-    // The next block's K and V while this one is scored (one block ahead measured best: docs/benchmarks.md).
-    if (c0 + c + 1 < a.num_blocks) prefetch_bytes(a.kv[c0 + c + 1], block_bytes);
+    // The next block's K while this one is scored; its V is left to the hardware (K alone, one block ahead, measured
+    // best, as on the AMX path: docs/benchmarks.md).
+    if (c0 + c + 1 < a.num_blocks) prefetch_bytes(a.kv[c0 + c + 1], k_bytes);
     for (int i = 0; i < RB; ++i) {
       float* si = s + i * nk + c * bs;
       const int64_t n = valid[i * cb + c];
@@ -326,16 +342,27 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   } else {
     // The chunk's V fits in L1 (small heads): one vector of the head at a time over the whole chunk, the accumulators
     // loaded and stored once per chunk instead of once per block.
-    for (int64_t j = 0; j < dv; j += kW) {
-      Vec o[RB][1];
-      for (int i = 0; i < RB; ++i) o[i][0] = Vec::loadu(acc[i] + j) * Vec(alpha[i]);
+    const auto walk = [&](int64_t j, auto nj) {
+      constexpr int NJ = decltype(nj)::value;
+      Vec o[RB][NJ], e[RB][NJ];
+      for (int i = 0; i < RB; ++i) {
+        for (int u = 0; u < NJ; ++u) {
+          o[i][u] = Vec::loadu(acc[i] + j + u * kW) * Vec(alpha[i]);
+          e[i][u] = Vec(0.f);
+        }
+      }
       for (int64_t c = 0; c < cb; ++c) {
         int64_t lim[RB];
         for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
-        accumulate_block<T, RB, 1>(static_cast<const T*>(a.kv[c0 + c]) + bs * d, d, j, s + c * bs, nk, lim, o);
+        accumulate_block<T, RB, NJ, false>(static_cast<const T*>(a.kv[c0 + c]) + bs * d, d, j, s + c * bs, nk, lim,
+                                          o, e);
       }
-      for (int i = 0; i < RB; ++i) o[i][0].store(acc[i] + j);
-    }
+      for (int i = 0; i < RB; ++i)
+        for (int u = 0; u < NJ; ++u) (o[i][u] + e[i][u]).store(acc[i] + j + u * kW);
+    };
+    int64_t j = 0;
+    for (; j + 2 * kW <= dv; j += 2 * kW) walk(j, std::integral_constant<int, 2>{});
+    for (; j < dv; j += kW) walk(j, std::integral_constant<int, 1>{});
   }
   for (int64_t j = dv; j < d; ++j) {  // head sizes that are not a multiple of kW
     for (int i = 0; i < RB; ++i) {
