@@ -1,19 +1,21 @@
 """End-to-end decode throughput: vLLM generating on the local model with ActiveKV exact mode against stock CPU_ATTN.
 
-`python -m tools.bench_e2e [--context 8192] [--batch 8] [--new-tokens 32] [--repeats 3]` (what `make bench-e2e`
-runs). The model is the tests' tiny random Llama (`tools/make_tiny_model.py`: 2 layers, 4 query heads, 2 KV heads,
-head size 32, float32) copied to `build/tiny-llama-e2e` with `max_position_embeddings` raised to cover the context (the
-default RoPE has no scaling: the weights do not depend on it). Per backend, one in-process vLLM engine
-(`tools/vllm_run.py`, greedy, eager, prefix caching off, `max_num_batched_tokens` = batch x context so each batch
-prefills in one step): `--batch` seeded prompts of `--context` tokens submitted together to vLLM's engine
-(`LLMEngine.add_request`), then `LLMEngine.step()` until they finish: the first step is the prefill (timed alone),
-the next `--new-tokens` steps decode the batch, timed step by step; `--repeats` times. Decode tokens/s = batch /
-median decode step time. (A difference of whole-generation times, as this tool once took, mixes the prefill's
-run-to-run noise into the few decode steps.) ActiveKV runs at vLLM block size 16 in exact mode twice:
-with its default options (pool 256 blocks, tile 16: a batch of long contexts streams through the pool every step)
-and with a pool that holds the batch's contexts; CPU_ATTN at its default block size (128). The engines run
-one after the other; the table says how many forward steps vLLM counted and, for ActiveKV, how many native forward
-calls its telemetry counted (the proof the native path ran).
+`python -m tools.bench_e2e [--context 8192] [--batch 8] [--new-tokens 32] [--repeats 3] [--rounds 2]` (what
+`make bench-e2e` runs). The model is the tests' tiny random Llama (`tools/make_tiny_model.py`: 2 layers, 4 query
+heads, 2 KV heads, head size 32, float32) copied to `build/tiny-llama-e2e` with `max_position_embeddings` raised to
+cover the context (the default RoPE has no scaling: the weights do not depend on it). Per backend and round, one
+in-process vLLM engine (`tools/vllm_run.py`, greedy, eager, prefix caching off, `max_num_batched_tokens` = batch x
+context so each batch prefills in one step): `--batch` seeded prompts of `--context` tokens submitted together to
+vLLM's engine (`LLMEngine.add_request`), then `LLMEngine.step()` until they finish: the first step is the prefill
+(timed alone), the next `--new-tokens` steps decode the batch, timed step by step; `--repeats` times. The backends
+take turns for `--rounds` rounds (CPU_ATTN, ActiveKV, ActiveKV, then again), each round a fresh engine, so that a
+slow spell of the machine falls on all of them rather than on one. Decode tokens/s = batch / median decode step time
+over every round; the table also gives each round's median. (A difference of whole-generation times, as this tool
+once took, mixes the prefill's run-to-run noise into the few decode steps.) ActiveKV runs at vLLM block size 16 in
+exact mode twice: with its default options (pool 256 blocks, tile 16: a batch of long contexts streams through the
+pool every step) and with a pool that holds the batch's contexts; CPU_ATTN at its default block size (128). The table
+says how many forward steps vLLM counted and, for ActiveKV, how many native forward calls its telemetry counted (the
+proof the native path ran).
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def e2e_model(context: int, new_tokens: int) -> Path:
     return out
 
 
-def measure(model: Path, backend: str, args: argparse.Namespace, options: dict | None = None,
-            label: str | None = None) -> dict:
+def measure(model: Path, backend: str, args: argparse.Namespace, options: dict | None = None) -> dict:
+    """One round of one backend: a fresh engine, a warm-up generation, then `args.repeats` timed batches. Returns the
+    prefill and decode step times (s) and the last batch's step and native forward counts."""
     from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine, make_prompts
 
     config = EngineConfig(
@@ -88,9 +91,17 @@ def measure(model: Path, backend: str, args: argparse.Namespace, options: dict |
             tel1 = read_telemetry() if backend == ACTIVEKV else None
             if tel0 is not None and tel1 is not None:
                 native = telemetry_delta(tel0[0], tel1[0], tel1[1])["forward_calls"]
-    step_s = statistics.median(decode_steps)
-    return {"backend": label or backend, "prefill_s": statistics.median(prefill), "step_ms": step_s * 1e3,
-            "tokens_per_s": args.batch / step_s, "steps": steps, "native_forwards": native}
+    return {"prefill": prefill, "decode": decode_steps, "steps": steps, "native_forwards": native}
+
+
+def summarise(label: str, rounds: list[dict], batch: int) -> dict:
+    """The rounds of one backend as a table row: medians over every round's steps, and each round's decode median."""
+    decode = [t for r in rounds for t in r["decode"]]
+    step_s = statistics.median(decode)
+    return {"backend": label, "prefill_s": statistics.median([t for r in rounds for t in r["prefill"]]),
+            "step_ms": step_s * 1e3, "tokens_per_s": batch / step_s,
+            "per_round": [statistics.median(r["decode"]) * 1e3 for r in rounds],
+            "steps": rounds[-1]["steps"], "native_forwards": rounds[-1]["native_forwards"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,31 +109,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=8192, help="prompt tokens per request")
     parser.add_argument("--batch", type=int, default=8, help="requests decoded together")
     parser.add_argument("--new-tokens", type=int, default=32, help="decode tokens per request")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed batches per round")
+    parser.add_argument("--rounds", type=int, default=2, help="turns each backend takes, interleaved")
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    for name in ("context", "batch", "new_tokens", "repeats", "rounds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from tools.vllm_run import ACTIVEKV, CPU_ATTN
 
     model = e2e_model(args.context, args.new_tokens)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     whole_batch = args.batch * -(-(args.context + args.new_tokens + 16) // 16)  # blocks of 16 the batch can hold
-    rows = [measure(model, CPU_ATTN, args),
-            measure(model, ACTIVEKV, args, {}, "ACTIVEKV exact, default pool (256 blocks)"),
-            measure(model, ACTIVEKV, args, {"pool_blocks": whole_batch},
-                    f"ACTIVEKV exact, pool {whole_batch} blocks (the batch's contexts)")]
+    runs = [("CPU_ATTN", CPU_ATTN, None), ("ACTIVEKV exact, default pool (256 blocks)", ACTIVEKV, {}),
+            (f"ACTIVEKV exact, pool {whole_batch} blocks (the batch's contexts)", ACTIVEKV,
+             {"pool_blocks": whole_batch})]
+    results: list[list[dict]] = [[] for _ in runs]
+    for _ in range(args.rounds):
+        for i, (_, backend, options) in enumerate(runs):
+            results[i].append(measure(model, backend, args, options))
+    rows = [summarise(label, results[i], args.batch) for i, (label, _, _) in enumerate(runs)]
     base = rows[0]["tokens_per_s"]
     print(f"command: `python -m tools.bench_e2e {' '.join(argv if argv is not None else sys.argv[1:])}`")
     print(f"model: {model} (2 layers, 4 query heads, 2 KV heads, head size 32, float32); context {args.context}, "
-          f"batch {args.batch}, {args.new_tokens} decode tokens per request, {args.repeats} repeats; load average "
+          f"batch {args.batch}, {args.new_tokens} decode tokens per request, {args.repeats} repeats x {args.rounds} "
+          f"rounds (backends interleaved); load average "
           f"{load} at start")
     print()
-    print("| backend | prefill step s | decode step ms (median) | decode tokens/s | / CPU_ATTN | vLLM steps (last run) | "
-          "native forward calls (last run) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| backend | prefill step s | decode step ms (median) | per round | decode tokens/s | / CPU_ATTN | "
+          "vLLM steps (last run) | native forward calls (last run) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['backend']} | {r['prefill_s']:.2f} | {r['step_ms']:.2f} | {r['tokens_per_s']:.1f} | "
+        per_round = " / ".join(f"{ms:.2f}" for ms in r["per_round"])
+        print(f"| {r['backend']} | {r['prefill_s']:.2f} | {r['step_ms']:.2f} | {per_round} | {r['tokens_per_s']:.1f} | "
               f"{r['tokens_per_s'] / base:.2f}x | {r['steps']} | {r['native_forwards']} |")
     return 0
 
