@@ -300,7 +300,7 @@ def expected_minmax(key: torch.Tensor, slots: list[int], num_blocks: int = NUM_B
         b = s // BLOCK_SIZE
         kmin[b] = torch.minimum(kmin[b], key[i].float())
         kmax[b] = torch.maximum(kmax[b], key[i].float())
-    return kmin, kmax
+    return kmin.to(key.dtype), kmax.to(key.dtype)  # exact: every min / max is one of the keys
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -312,7 +312,7 @@ def test_key_min_max_track_the_keys_written(dtype: torch.dtype) -> None:
     key, value = kv_tokens(len(prompt), dtype, seed=10)
     state.write(0, cache, key, value, torch.tensor(prompt))
     kmin, kmax = expected_minmax(key, prompt)
-    assert state.key_min(0).dtype == torch.float32
+    assert state.key_min(0).dtype == dtype and state.key_max(0).dtype == dtype  # the KV dtype (kv_state.h)
     assert torch.equal(state.key_min(0), kmin) and torch.equal(state.key_max(0), kmax)
 
     # Decode: the partial block grows (no offset 0): its metadata accumulates.
@@ -372,8 +372,8 @@ def test_cpu_write_matches_the_aten_index_put_and_scatter(dtype: torch.dtype) ->
     nb, width = NUM_BLOCKS, NUM_KV_HEADS * HEAD_SIZE
     index = blk.unsqueeze(1).expand(n, width)
     for name, reduce, init in (("key_min", "amin", float("inf")), ("key_max", "amax", -float("inf"))):
-        expect = torch.full((nb, width), init).scatter_reduce_(0, index, key.float().reshape(n, width), reduce,
-                                                              include_self=True)
+        expect = torch.full((nb, width), init, dtype=dtype).scatter_reduce_(0, index, key.reshape(n, width), reduce,
+                                                                           include_self=True)
         got = getattr(state, name)(0).reshape(nb, width)
         torch.testing.assert_close(got, expect, rtol=0, atol=0, equal_nan=True, msg=name)
         assert got.isnan().any()  # the NaN reached the metadata

@@ -110,12 +110,35 @@ def test_native_scores_do_not_depend_on_the_thread_count() -> None:
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("native", [False, True], ids=["aten", "native"])
+@pytest.mark.parametrize("d", [16, 40])
+def test_metadata_in_the_kv_dtype_scores_as_its_float32_widening(dtype: torch.dtype, native: bool, d: int) -> None:
+    """The engine keeps key metadata in the KV dtype (kv_state.h). Both scoring paths widen it exactly, so the bound
+    is bit for bit the one of the same values in float32, and so is the selection; head size 40 runs the native
+    kernel's scalar tail."""
+    g = torch.Generator().manual_seed(d)
+    nb, gqa = 48, 4
+    q = torch.randn(1, KVH * gqa, d, generator=g)
+    keys = torch.randn(nb * 16, KVH, d, generator=g).to(dtype)
+    kmin, kmax = metadata_from_keys(keys, 16)
+    kmin_d, kmax_d = kmin.to(dtype), kmax.to(dtype)
+    assert torch.equal(kmin_d.float(), kmin) and torch.equal(kmax_d.float(), kmax)  # exact in the KV dtype
+    ids = torch.randperm(nb, generator=g)
+    got = admission.quest_scores(q, kmin_d, kmax_d, ids, native=native)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, admission.quest_scores(q, kmin, kmax, ids, native=native))
+    row = torch.arange(nb)
+    assert torch.equal(admission.select_blocks(q, kmin_d, kmax_d, row, 1, 2, 9, native_scores=native),
+                       admission.select_blocks(q, kmin, kmax, row, 1, 2, 9, native_scores=native))
+
+
 def test_selection_matches_reference_bit_for_bit() -> None:
     g = torch.Generator().manual_seed(3)
     for dtype, gqa in itertools.product((torch.float32, torch.bfloat16, torch.float16), (1, 4)):
         q = torch.randn(1, KVH * gqa, D, generator=g).to(dtype)
-        kmin = torch.randn(64, KVH, D, generator=g)
-        kmax = kmin + torch.rand(64, KVH, D, generator=g)
+        kmin = torch.randn(64, KVH, D, generator=g).to(dtype)  # metadata in the KV dtype, as the engine keeps it
+        kmax = (kmin.float() + torch.rand(64, KVH, D, generator=g)).to(dtype)
         row = torch.randperm(64, generator=g)[:40]
         args = (q, kmin, kmax, row, 1, 2, 6)
         assert torch.equal(admission.select_blocks(*args), ref_select_blocks(*args)), (dtype, gqa)
@@ -123,7 +146,9 @@ def test_selection_matches_reference_bit_for_bit() -> None:
 
 @pytest.mark.parametrize(("kwargs", "exc", "match"), [
     ({"q": torch.zeros(2, KVH, D)}, ValueError, r"q must be \[1, num_heads, head_size\]"),
-    ({"key_min": torch.zeros(8, KVH, D, dtype=torch.float64)}, TypeError, "must be float32"),
+    ({"key_min": torch.zeros(8, KVH, D, dtype=torch.float64)}, TypeError, "must both be float32, bfloat16 or float16"),
+    ({"key_min": torch.zeros(8, KVH, D, dtype=torch.bfloat16)}, TypeError,
+     "must both be float32, bfloat16 or float16, got BFloat16 and Float"),
     ({"row_blocks": torch.arange(8, dtype=torch.int32)}, TypeError, "row_blocks must be a 1-D int64 tensor"),
     ({"row_blocks": torch.tensor([0, 1, 2, 3, 4, 5, 99])}, IndexError, r"row_blocks must be in \[0, 8\)"),
     ({"recent_blocks": 0}, ValueError, "recent_blocks >= 1"),

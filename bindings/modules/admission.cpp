@@ -20,8 +20,8 @@ struct PagePool {
   uint64_t clock = 0;
 };
 // The inputs of a Quest bound, checked once for select_blocks and quest_scores: q [1, H, D] with data, key_min/max
-// float32 [blocks, KVH, D] matching it, `ids` (row_blocks or ids) 1-D int64 in [0, blocks), all on q's device, CPU
-// for the native kernel.
+// [blocks, KVH, D] matching it, both float32, bfloat16 or float16, `ids` (row_blocks or ids) 1-D int64 in
+// [0, blocks), all on q's device, CPU for the native kernel.
 void check_quest_inputs(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& ids,
                         const char* ids_name, bool native) {
   TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == 1, "q must be [1, num_heads, head_size], got ", q.sizes());
@@ -31,8 +31,10 @@ void check_quest_inputs(const at::Tensor& q, const at::Tensor& key_min, const at
     activekv::check_has_data(*t, name);
     TORCH_CHECK_VALUE(t->device() == q.device(), name, " must be on q's device ", q.device(), ", got ", t->device());
   }
-  TORCH_CHECK_TYPE(key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat,
-                   "key_min and key_max must be float32, got ", key_min.scalar_type(), " and ", key_max.scalar_type());
+  const auto dt = key_min.scalar_type();
+  TORCH_CHECK_TYPE((dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf) && key_max.scalar_type() == dt,
+                   "key_min and key_max must both be float32, bfloat16 or float16, got ", key_min.scalar_type(),
+                   " and ", key_max.scalar_type());
   TORCH_CHECK_VALUE(key_min.dim() == 3 && key_min.sizes() == key_max.sizes() && key_min.size(2) == q.size(2) &&
                         key_min.size(1) > 0 && q.size(1) % key_min.size(1) == 0,
                     "key_min/key_max must be [blocks, num_kv_heads, head_size] matching q, got ", key_min.sizes(),

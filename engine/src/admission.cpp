@@ -124,8 +124,8 @@ namespace activekv {
 at::Tensor quest_scores(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
                         const at::Tensor& ids) {
   const int64_t kvh = key_min.size(1), d = key_min.size(2), g = q.size(1) / kvh;
-  auto kmin = key_min.index_select(0, ids).permute({1, 2, 0});  // [KVH, D, C]
-  auto kmax = key_max.index_select(0, ids).permute({1, 2, 0});  // [KVH, D, C]
+  auto kmin = key_min.index_select(0, ids).to(at::kFloat).permute({1, 2, 0});  // [KVH, D, C], widened exactly
+  auto kmax = key_max.index_select(0, ids).to(at::kFloat).permute({1, 2, 0});  // [KVH, D, C]
   auto qf = q.to(at::kFloat).reshape({kvh, g, d});                // [KVH, G, D]
   // sum_d max(q_d * min_d, q_d * max_d) = relu(q) . max + min(q, 0) . min  (max_d >= min_d)
   auto bound = at::add(at::matmul(qf.clamp_min(0.0), kmax), at::matmul(qf.clamp_max(0.0), kmin));  // [KVH, G, C]
@@ -136,8 +136,10 @@ at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, c
                                const at::Tensor& ids) {
   RECORD_FUNCTION("activekv::quest_scores_native", std::vector<c10::IValue>());  // named in torch.profiler tables
   const int64_t kvh = key_min.size(1), d = key_min.size(2), g = q.size(1) / kvh, c = ids.size(0);
+  const auto dt = key_min.scalar_type();
   TORCH_INTERNAL_ASSERT(key_min.is_cpu() && key_min.is_contiguous() && key_max.is_contiguous() &&
-                        key_min.scalar_type() == at::kFloat && key_max.scalar_type() == at::kFloat);
+                        key_max.scalar_type() == dt &&
+                        (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf));
   auto qf = q.to(at::kFloat).reshape({kvh * g, d});
   auto q_pos = qf.clamp_min(0.0).contiguous(), q_neg = qf.clamp_max(0.0).contiguous();
   auto blocks = ids.to(at::kLong).contiguous();
@@ -148,8 +150,9 @@ at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, c
   a.head_size = d;
   a.q_pos = q_pos.data_ptr<float>();
   a.q_neg = q_neg.data_ptr<float>();
-  a.key_min = key_min.data_ptr<float>();
-  a.key_max = key_max.data_ptr<float>();
+  a.dtype = dt;
+  a.key_min = key_min.const_data_ptr();
+  a.key_max = key_max.const_data_ptr();
   a.blocks = blocks.data_ptr<int64_t>();
   a.num_blocks = c;
   a.score = score.data_ptr<float>();

@@ -16,7 +16,8 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // The CPU write of KVState::write as plain loops (no ATen op per call): for each token i, K and V of every KV head to
 // the host tier at (blk[i], off[i]) and, where the block is resident (slot[i] >= 0), to its pool copy; then the key
-// min/max of every written block, reset first where a token lands at offset 0. The same values as the ATen ops of the
+// min/max (in the KV dtype: a key's own value, so exact) of every written block, reset first where a token lands at
+// offset 0. The same values as the ATen ops of the
 // other devices: copies are exact, and min/max propagate NaN as scatter_reduce's amin/amax do (of -0 and +0 the first
 // written stays; ATen leaves that tie, and a NaN's payload, unspecified). key/value [N, KVH, D] and host [num_blocks,
 // KVH, 2, bs, D] of any strides; pool and key_min/max contiguous.
@@ -28,15 +29,15 @@ void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at
   const int64_t kvh = host.size(1), bs = host.size(3), d = host.size(4);
   T* h = host.data_ptr<T>();
   T* p = pool.data_ptr<T>();
-  float* mn = key_min.data_ptr<float>();
-  float* mx = key_max.data_ptr<float>();
+  T* mn = key_min.data_ptr<T>();
+  T* mx = key_max.data_ptr<T>();
   const auto hs = host.strides();
   const T* const src_base[2] = {key.data_ptr<T>(), value.data_ptr<T>()};
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks2 = key.stride(2);
   const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs2 = value.stride(2);
   for (const int64_t b : reset) {
-    std::fill(mn + b * kvh * d, mn + (b + 1) * kvh * d, kInf);
-    std::fill(mx + b * kvh * d, mx + (b + 1) * kvh * d, -kInf);
+    std::fill(mn + b * kvh * d, mn + (b + 1) * kvh * d, static_cast<T>(kInf));
+    std::fill(mx + b * kvh * d, mx + (b + 1) * kvh * d, static_cast<T>(-kInf));
   }
   for (size_t i = 0; i < tok.size(); ++i) {
     for (int64_t hh = 0; hh < kvh; ++hh) {
@@ -51,12 +52,13 @@ void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at
         }
       }
       const T* k = src_base[0] + tok[i] * ks0 + hh * ks1;
-      float* bmn = mn + (blk[i] * kvh + hh) * d;
-      float* bmx = mx + (blk[i] * kvh + hh) * d;
+      T* bmn = mn + (blk[i] * kvh + hh) * d;
+      T* bmx = mx + (blk[i] * kvh + hh) * d;
       for (int64_t j = 0; j < d; ++j) {
-        const float x = static_cast<float>(k[j * ks2]);
-        if (std::isnan(x) || x < bmn[j]) bmn[j] = std::isnan(bmn[j]) ? bmn[j] : x;
-        if (std::isnan(x) || x > bmx[j]) bmx[j] = std::isnan(bmx[j]) ? bmx[j] : x;
+        const T kj = k[j * ks2];
+        const float x = static_cast<float>(kj), lo = static_cast<float>(bmn[j]), hi = static_cast<float>(bmx[j]);
+        if ((std::isnan(x) || x < lo) && !std::isnan(lo)) bmn[j] = kj;
+        if ((std::isnan(x) || x > hi) && !std::isnan(hi)) bmx[j] = kj;
       }
     }
   }
@@ -119,9 +121,9 @@ void KVState::bind_host(int64_t index, const at::Tensor& host, Telemetry& t) {
   l.host_blocks = nb;
   l.slot_of_block.assign(nb, -1);
   reset_layer(index);
-  auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
-  l.key_min = at::full({nb, g_.num_kv_heads, g_.head_size}, kInf, f32);
-  l.key_max = at::full({nb, g_.num_kv_heads, g_.head_size}, -kInf, f32);
+  auto opts = at::TensorOptions().dtype(g_.dtype).device(device_);  // the KV dtype: every min/max is a key's value
+  l.key_min = at::full({nb, g_.num_kv_heads, g_.head_size}, kInf, opts);
+  l.key_max = at::full({nb, g_.num_kv_heads, g_.head_size}, -kInf, opts);
 }
 
 void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key, const at::Tensor& value,
@@ -242,10 +244,10 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
     l.key_min.index_fill_(0, reset_t, kInf);
     l.key_max.index_fill_(0, reset_t, -kInf);
   }
-  auto kf = k.to(at::kFloat).reshape({nt, kvh * d});
+  auto kd = k.reshape({nt, kvh * d});  // in the KV dtype, as the metadata
   auto scatter_index = blk_t.unsqueeze(1).expand({nt, kvh * d});
-  l.key_min.view({l.host_blocks, kvh * d}).scatter_reduce_(0, scatter_index, kf, "amin", true);
-  l.key_max.view({l.host_blocks, kvh * d}).scatter_reduce_(0, scatter_index, kf, "amax", true);
+  l.key_min.view({l.host_blocks, kvh * d}).scatter_reduce_(0, scatter_index, kd, "amin", true);
+  l.key_max.view({l.host_blocks, kvh * d}).scatter_reduce_(0, scatter_index, kd, "amax", true);
 }
 
 }  // namespace activekv

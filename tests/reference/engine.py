@@ -134,8 +134,8 @@ def quest_scores(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor, 
     """Quest bound of candidate blocks -> float32 [KVH, C] (admission.cpp quest_scores)."""
     kvh, d = key_min.shape[1], key_min.shape[2]
     g = q.shape[1] // kvh
-    kmin = key_min.index_select(0, ids).permute(1, 2, 0)
-    kmax = key_max.index_select(0, ids).permute(1, 2, 0)
+    kmin = key_min.index_select(0, ids).to(torch.float32).permute(1, 2, 0)
+    kmax = key_max.index_select(0, ids).to(torch.float32).permute(1, 2, 0)
     qf = q.to(torch.float32).reshape(kvh, g, d)
     bound = torch.add(torch.matmul(qf.clamp_min(0.0), kmax), torch.matmul(qf.clamp_max(0.0), kmin))
     return bound.amax(1)
@@ -219,9 +219,9 @@ class RefEngine:
             lay.block_of_slot = [-1] * self.pool_blocks
             lay.last_use = [0] * self.pool_blocks
             lay.pins = [0] * self.pool_blocks
-            f32 = {"dtype": torch.float32, "device": self.device}
-            lay.key_min = torch.full((nb, self.num_kv_heads, self.head_size), float("inf"), **f32)
-            lay.key_max = torch.full((nb, self.num_kv_heads, self.head_size), float("-inf"), **f32)
+            meta = {"dtype": self.dtype, "device": self.device}  # key metadata in the KV dtype (kv_state.h)
+            lay.key_min = torch.full((nb, self.num_kv_heads, self.head_size), float("inf"), **meta)
+            lay.key_max = torch.full((nb, self.num_kv_heads, self.head_size), float("-inf"), **meta)
         return host
 
     def build(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
@@ -279,10 +279,10 @@ class RefEngine:
             lay.key_min.index_fill_(0, reset_t, float("inf"))
             lay.key_max.index_fill_(0, reset_t, float("-inf"))
         kvd = self.num_kv_heads * self.head_size
-        kf = k.to(torch.float32).reshape(nt, kvd)
+        kd = k.reshape(nt, kvd)
         index = blk_t.unsqueeze(1).expand(nt, kvd)
-        lay.key_min.view(lay.host_blocks, kvd).scatter_reduce_(0, index, kf, "amin", include_self=True)
-        lay.key_max.view(lay.host_blocks, kvd).scatter_reduce_(0, index, kf, "amax", include_self=True)
+        lay.key_min.view(lay.host_blocks, kvd).scatter_reduce_(0, index, kd, "amin", include_self=True)
+        lay.key_max.view(lay.host_blocks, kvd).scatter_reduce_(0, index, kd, "amax", include_self=True)
 
     def _admit(self, lay: RefLayer, blocks: list[int]) -> tuple[list[int], list[int], list[int], int, int]:
         """admission.cpp admit_tile: lowest free slot, else LRU unpinned (lowest slot on a tie)."""

@@ -70,7 +70,8 @@ struct Selection {
 
 /// Select the blocks of one decode row, per KV head.
 /// @param q [1, num_heads, head_size] the row's query (any float dtype; scored in float32)
-/// @param key_min, key_max [host_blocks, num_kv_heads, head_size] float32 per-block key metadata of the layer
+/// @param key_min, key_max [host_blocks, num_kv_heads, head_size] per-block key metadata of the layer, float32,
+///        bfloat16 or float16 (both the same; the engine keeps it in the KV dtype), widened exactly to float32
 /// @param row_blocks [num_blocks] int64 the row's block ids in position order, num_blocks > sel.per_head()
 /// @param native_scores score with the CPU kernel (quest_scores_native; key metadata on CPU, contiguous) instead of
 ///        the ATen ops the reference repeats (quest_scores)
@@ -85,7 +86,8 @@ at::Tensor quest_scores(const at::Tensor& q, const at::Tensor& key_min, const at
                         const at::Tensor& ids);
 
 /// The same bound computed by the CPU kernel (cpu_kernel.h QuestArgs), reading key_min / key_max in place: equal to
-/// quest_scores within float32 rounding (a different summation order). CPU, contiguous float32 metadata.
+/// quest_scores within float32 rounding (a different summation order). CPU, contiguous metadata of one of the dtypes
+/// select_blocks takes.
 at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
                                const at::Tensor& ids);
 

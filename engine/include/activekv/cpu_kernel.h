@@ -63,8 +63,9 @@ struct QuestArgs {
   int64_t head_size = 0;
   const float* q_pos = nullptr;  ///< [num_kv_heads * group, head_size] float32, relu(q)
   const float* q_neg = nullptr;  ///< [num_kv_heads * group, head_size] float32, min(q, 0)
-  const float* key_min = nullptr;  ///< [host_blocks, num_kv_heads, head_size] float32, contiguous
-  const float* key_max = nullptr;  ///< same shape as key_min
+  at::ScalarType dtype = at::kFloat;  ///< of key_min / key_max: float32, bfloat16 or float16 (widened exactly)
+  const void* key_min = nullptr;  ///< [host_blocks, num_kv_heads, head_size] contiguous
+  const void* key_max = nullptr;  ///< same shape and dtype as key_min
   const int64_t* blocks = nullptr;  ///< [num_blocks] block ids (rows of key_min / key_max)
   int64_t num_blocks = 0;
   float* score = nullptr;  ///< [num_kv_heads, num_blocks] float32 (out)

@@ -16,8 +16,11 @@ namespace activekv {
 /// State of one layer.
 struct LayerState {
   at::Tensor pool;      ///< [pool_blocks, num_kv_heads, 2, block_size, head_size], geometry dtype
-  at::Tensor key_min;   ///< [host_blocks, num_kv_heads, head_size] float32, per-dimension key minimum of the block
-  at::Tensor key_max;   ///< [host_blocks, num_kv_heads, head_size] float32, per-dimension key maximum of the block
+  /// [host_blocks, num_kv_heads, head_size] in the geometry (KV) dtype, per-dimension key minimum of the block (+inf
+  /// before its first key): the min of keys stored in that dtype is one of them, so the metadata is exact and takes
+  /// half the bytes of float32 for bfloat16 / float16 KV
+  at::Tensor key_min;
+  at::Tensor key_max;   ///< same shape and dtype: per-dimension key maximum of the block (-inf before its first key)
   /// The bound host tier [host_blocks, num_kv_heads, 2, block_size, head_size], a view of vLLM's tensor. Holding it
   /// keeps its storage alive, so a new KV cache can never reuse the address and pass for the bound one.
   at::Tensor host;

@@ -699,13 +699,13 @@ namespace {
 // heads share each load of the block's min and max; each head sums its positive and negative parts in two vector
 // accumulators (2N independent chains, instead of one chain of 2 * head_size / kW dependent fused multiply-adds per
 // head), added before the one horizontal sum; a head size off the vector width ends with a scalar tail.
-template <int N>
-inline void group_bounds(const float* qp, const float* qn, const float* mn, const float* mx, int64_t d, float* r) {
+template <int N, typename M>
+inline void group_bounds(const float* qp, const float* qn, const M* mn, const M* mx, int64_t d, float* r) {
   Vec sp[N], sn[N];
   for (int u = 0; u < N; ++u) sp[u] = sn[u] = Vec(0.f);
   int64_t j = 0;
   for (; j + kW <= d; j += kW) {
-    const Vec vmx = Vec::loadu(mx + j), vmn = Vec::loadu(mn + j);
+    const Vec vmx = load_float(mx + j), vmn = load_float(mn + j);
     for (int u = 0; u < N; ++u) {
       sp[u] = at::vec::fmadd(Vec::loadu(qp + u * d + j), vmx, sp[u]);
       sn[u] = at::vec::fmadd(Vec::loadu(qn + u * d + j), vmn, sn[u]);
@@ -713,19 +713,22 @@ inline void group_bounds(const float* qp, const float* qn, const float* mn, cons
   }
   for (int u = 0; u < N; ++u) {
     r[u] = reduce_add(sp[u] + sn[u]);
-    for (int64_t t = j; t < d; ++t) r[u] += qp[u * d + t] * mx[t] + qn[u * d + t] * mn[t];
+    for (int64_t t = j; t < d; ++t)
+      r[u] += qp[u * d + t] * static_cast<float>(mx[t]) + qn[u * d + t] * static_cast<float>(mn[t]);
   }
 }
 }  // namespace
 
-void quest_scores(const QuestArgs& a, int64_t begin, int64_t end) {
+namespace {
+template <typename M>
+void quest_scores_as(const QuestArgs& a, int64_t begin, int64_t end) {
   const int64_t kvh = a.num_kv_heads, g = a.group, d = a.head_size;
   for (int64_t c = begin; c < end; ++c) {
-    const float* mn_b = a.key_min + a.blocks[c] * kvh * d;
-    const float* mx_b = a.key_max + a.blocks[c] * kvh * d;
+    const M* mn_b = static_cast<const M*>(a.key_min) + a.blocks[c] * kvh * d;
+    const M* mx_b = static_cast<const M*>(a.key_max) + a.blocks[c] * kvh * d;
     for (int64_t h = 0; h < kvh; ++h) {
-      const float* mn = mn_b + h * d;
-      const float* mx = mx_b + h * d;
+      const M* mn = mn_b + h * d;
+      const M* mx = mx_b + h * d;
       float best = -std::numeric_limits<float>::infinity();
       for (int64_t i0 = 0; i0 < g && !std::isnan(best); i0 += 4) {  // four query heads of the group at a time
         const float* qp = a.q_pos + (h * g + i0) * d;
@@ -746,6 +749,16 @@ void quest_scores(const QuestArgs& a, int64_t begin, int64_t end) {
       }
       a.score[h * a.num_blocks + c] = best;
     }
+  }
+}
+}  // namespace
+
+void quest_scores(const QuestArgs& a, int64_t begin, int64_t end) {
+  switch (a.dtype) {  // the metadata's dtype (the engine keeps it in the KV dtype)
+    case at::kFloat: return quest_scores_as<float>(a, begin, end);
+    case at::kBFloat16: return quest_scores_as<at::BFloat16>(a, begin, end);
+    case at::kHalf: return quest_scores_as<at::Half>(a, begin, end);
+    default: TORCH_CHECK_TYPE(false, "the Quest kernel reads float32, bfloat16 or float16 key metadata, got ", a.dtype);
   }
 }
 
