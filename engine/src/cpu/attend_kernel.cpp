@@ -723,7 +723,17 @@ namespace {
 template <typename M>
 void quest_scores_as(const QuestArgs& a, int64_t begin, int64_t end) {
   const int64_t kvh = a.num_kv_heads, g = a.group, d = a.head_size;
+  // A block's min (and max) of every head is one run of kvh * d values at a random place (the row's block ids). Under
+  // a 4 KiB page per run (bfloat16 / float16 at 8 KV heads of 128) the hardware's stream prefetchers lock on too late,
+  // so the next block's runs are asked for while this one is scored; from a page up they do better alone
+  // (docs/benchmarks.md, "Issue 9, eighth session").
+  const int64_t run_bytes = kvh * d * static_cast<int64_t>(sizeof(M));
+  const bool ahead = run_bytes < 4096;
   for (int64_t c = begin; c < end; ++c) {
+    if (ahead && c + 1 < end) {
+      prefetch_bytes(static_cast<const M*>(a.key_min) + a.blocks[c + 1] * kvh * d, run_bytes);
+      prefetch_bytes(static_cast<const M*>(a.key_max) + a.blocks[c + 1] * kvh * d, run_bytes);
+    }
     const M* mn_b = static_cast<const M*>(a.key_min) + a.blocks[c] * kvh * d;
     const M* mx_b = static_cast<const M*>(a.key_max) + a.blocks[c] * kvh * d;
     for (int64_t h = 0; h < kvh; ++h) {
