@@ -70,6 +70,31 @@ def test_nan_scores_rank_first_and_exactly_k_are_chosen(native: bool) -> None:
     assert pos.tolist() == [[0, 5, 9, 10, 11], [0, 8, 9, 10, 11]]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_native_top_k_takes_the_set_of_the_aten_top_k_with_ties_nan_and_infinities(seed: int) -> None:
+    """The native path chooses with std::nth_element, the ATen path with at::topk and a tie rule. Scores here are
+    small integers (and +-inf, NaN, -0), exact in either summation order, with many ties at the k-th score: both paths
+    must take the same blocks."""
+    g = torch.Generator().manual_seed(seed)
+    nb, gqa = 40, 2
+    q = torch.zeros(1, KVH * gqa, D)
+    q[0, :, 0] = 1.0  # the bound is kmax[:, h, 0] (the other dimensions are 0 x finite values)
+    kmin = torch.zeros(nb, KVH, D)
+    kmax = torch.randint(-2, 3, (nb, KVH, D), generator=g).float()
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    where = torch.randint(0, nb, (4, KVH), generator=g)
+    for i in range(4):
+        for h in range(KVH):
+            kmax[where[i, h], h, 0] = specials[i]
+    kmin[:, :, 0] = torch.minimum(kmax[:, :, 0].nan_to_num(0.0), torch.zeros(()))  # min <= max where finite
+    row = torch.randperm(nb, generator=g)
+    for k in (1, 5, 17, 34):
+        aten = admission.select_blocks(q, kmin, kmax, row, 2, 3, k)
+        native = admission.select_blocks(q, kmin, kmax, row, 2, 3, k, native_scores=True)
+        assert torch.equal(native, aten), (seed, k)
+        assert torch.equal(native, ref_select_blocks(q, kmin, kmax, row, 2, 3, k)), (seed, k)
+
+
 @pytest.mark.parametrize("gqa", [1, 4, 8])
 @pytest.mark.parametrize("d", [64, 80, 128])
 def test_native_scores_are_within_float32_rounding_of_aten_and_select_the_same_blocks(gqa: int, d: int) -> None:

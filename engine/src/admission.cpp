@@ -5,7 +5,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
+#include <numeric>
+#include <vector>
 
 namespace activekv {
 
@@ -173,6 +177,37 @@ at::Tensor top_blocks(const at::Tensor& score, int64_t k) {
   return chosen.nonzero().select(1, 1).reshape({score.size(0), k});  // row-major: ascending per head
 }
 
+namespace {
+// select_blocks' result from the native scores [KVH, C] (CPU float32, contiguous), without ATen ops: per head the
+// candidates ordered by (score descending, NaN as +inf; position ascending) and the first k taken (std::nth_element,
+// then sorted by position), which is top_blocks' set: every score above the k-th, then the lowest positions equal to
+// it. Then sinks, chosen + sink, recents.
+at::Tensor select_native(const at::Tensor& score, int64_t nb, const Selection& sel) {
+  const int64_t kvh = score.size(0), c = score.size(1), k = sel.top_k, m = sel.per_head();
+  auto out = at::empty({kvh, m}, at::TensorOptions().dtype(at::kLong));
+  const float* s = score.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<int64_t> order(c);
+  for (int64_t h = 0; h < kvh; ++h) {
+    const float* sh = s + h * c;
+    const auto key = [&](int64_t i) {
+      return std::isnan(sh[i]) ? std::numeric_limits<float>::infinity() : sh[i];
+    };
+    std::iota(order.begin(), order.end(), int64_t{0});
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int64_t a, int64_t b) {
+      const float x = key(a), y = key(b);
+      return x > y || (x == y && a < b);  // -0 and +0 tie, as at::eq has them
+    });
+    std::sort(order.begin(), order.begin() + k);
+    int64_t* oh = o + h * m;
+    for (int64_t j = 0; j < sel.sink_blocks; ++j) *oh++ = j;
+    for (int64_t j = 0; j < k; ++j) *oh++ = order[j] + sel.sink_blocks;
+    for (int64_t j = nb - sel.recent_blocks; j < nb; ++j) *oh++ = j;
+  }
+  return out;
+}
+}  // namespace
+
 at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
                          const at::Tensor& row_blocks, const Selection& sel, bool native_scores) {
   RECORD_FUNCTION("activekv::select_blocks", std::vector<c10::IValue>());
@@ -181,7 +216,8 @@ at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const a
   AKV_CHECK_VALUE(cand > sel.top_k, "a selecting row needs more than sink + recent + k = ", sel.per_head(),
                   " blocks, got ", nb);
   auto ids = row_blocks.narrow(0, sel.sink_blocks, cand);
-  auto score = native_scores ? quest_scores_native(q, key_min, key_max, ids) : quest_scores(q, key_min, key_max, ids);
+  if (native_scores) return select_native(quest_scores_native(q, key_min, key_max, ids), nb, sel);
+  auto score = quest_scores(q, key_min, key_max, ids);
   auto top = top_blocks(score, sel.top_k);
   auto opts = at::TensorOptions().dtype(at::kLong).device(q.device());
   auto sinks = at::arange(0, sel.sink_blocks, opts).expand({kvh, sel.sink_blocks});

@@ -73,8 +73,9 @@ struct Selection {
 /// @param key_min, key_max [host_blocks, num_kv_heads, head_size] per-block key metadata of the layer, float32,
 ///        bfloat16 or float16 (both the same; the engine keeps it in the KV dtype), widened exactly to float32
 /// @param row_blocks [num_blocks] int64 the row's block ids in position order, num_blocks > sel.per_head()
-/// @param native_scores score with the CPU kernel (quest_scores_native; key metadata on CPU, contiguous) instead of
-///        the ATen ops the reference repeats (quest_scores)
+/// @param native_scores score with the CPU kernel (quest_scores_native; key metadata on CPU, contiguous) and take
+///        the top k per head with std::nth_element (the set top_blocks takes), instead of the ATen ops the reference
+///        repeats (quest_scores, top_blocks)
 /// @return [num_kv_heads, sel.per_head()] int64 block positions (indices into row_blocks), ascending per head
 /// @throws c10::ValueError if num_blocks <= sel.per_head()
 at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
