@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
+#include <utility>
 #include <vector>
 
 namespace activekv {
@@ -187,21 +187,19 @@ at::Tensor select_native(const at::Tensor& score, int64_t nb, const Selection& s
   auto out = at::empty({kvh, m}, at::TensorOptions().dtype(at::kLong));
   const float* s = score.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  std::vector<int64_t> order(c);
+  std::vector<std::pair<float, int64_t>> order(c);  // (score with NaN as +inf, candidate position)
+  std::vector<int64_t> top(k);
   for (int64_t h = 0; h < kvh; ++h) {
     const float* sh = s + h * c;
-    const auto key = [&](int64_t i) {
-      return std::isnan(sh[i]) ? std::numeric_limits<float>::infinity() : sh[i];
-    };
-    std::iota(order.begin(), order.end(), int64_t{0});
-    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [&](int64_t a, int64_t b) {
-      const float x = key(a), y = key(b);
-      return x > y || (x == y && a < b);  // -0 and +0 tie, as at::eq has them
+    for (int64_t i = 0; i < c; ++i) order[i] = {std::isnan(sh[i]) ? std::numeric_limits<float>::infinity() : sh[i], i};
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);  // -0 and +0 tie, as at::eq has them
     });
-    std::sort(order.begin(), order.begin() + k);
+    for (int64_t j = 0; j < k; ++j) top[j] = order[j].second;
+    std::sort(top.begin(), top.end());
     int64_t* oh = o + h * m;
     for (int64_t j = 0; j < sel.sink_blocks; ++j) *oh++ = j;
-    for (int64_t j = 0; j < k; ++j) *oh++ = order[j] + sel.sink_blocks;
+    for (int64_t j = 0; j < k; ++j) *oh++ = top[j] + sel.sink_blocks;
     for (int64_t j = nb - sel.recent_blocks; j < nb; ++j) *oh++ = j;
   }
   return out;
