@@ -13,8 +13,8 @@
 /// (`ATEN_CPU_CAPABILITY=default|avx2|avx512` caps the choice, as it does for ATen). Float32 accumulation whatever the
 /// KV dtype. bfloat16 KV on a processor with AMX (cpu_kernel_has_amx) multiplies on AMX tiles instead, for head sizes
 /// that are multiples of 32 and block sizes that are multiples of 16: Q K^T with K read in place, then P V with the
-/// probabilities rounded to bfloat16 (as ATen's CPU flash attention and vLLM's CPU_ATTN AMX path round them) and V
-/// copied per run of keys into AMX's pair layout; float32 accumulation, the same chunking and online softmax. The
+/// probabilities rounded to bfloat16 (as ATen's CPU flash attention and vLLM's CPU_ATTN AMX path round them) spread
+/// over AMX's pairs and V read in place (no copy); float32 accumulation, the same chunking and online softmax. The
 /// arithmetic order is fixed per (row, KV head) by the chunking (chunk_blocks blocks from the first one given), so
 /// results are identical run to run, across thread counts and however the caller groups whole chunks; they are not
 /// bit-identical to the ATen tile path (vectorised dot products and exp): docs/parity.md states the contract and

@@ -379,10 +379,14 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
 #if defined(CPU_CAPABILITY_AVX512)
 // ---- bfloat16 on AMX: both products as tile multiplies (tdpbf16ps: bfloat16 pairs summed into float32) ----
 // Scores as S^T = K Q^T: the block's K is the A operand as stored (16 keys x 32 head values per tile row, no copy),
-// the query rows, packed once per chunk in AMX's pair layout (VNNI), the B operand. P x V as O = P V: P rounded to
-// bfloat16 (as ATen's CPU flash attention and vLLM's CPU_ATTN AMX path round it) is the A operand, V copied per
-// block into the pair layout (two keys' values of one head element side by side) the B operand. Query rows are
-// multiplied kAmxRows at a time, fewer padded with zeros. Used for bfloat16 KV when amx_ready(), the head size is a
+// the query rows, packed once per chunk in AMX's pair layout (VNNI), the B operand. P x V as O = P V: V is the B
+// operand as stored too (16 keys x 32 head values, which AMX reads as 16 pairs of head values), and P, rounded to
+// bfloat16 (as ATen's CPU flash attention and vLLM's CPU_ATTN AMX path round it), the A operand spread over the pairs
+// ((p, 0) for the even head values, (0, p) for the odd ones; chunk_rows_amx). Copying V into the pair layout instead
+// (two keys' values of one head value side by side, half the multiplies) measured slower: the copy cost more than
+// the tile work it saved (docs/benchmarks.md, "eighth session"). One consequence: a non-finite value in V also
+// reaches the other head value of its pair (its 0 x inf), where the AVX-512 and ATen paths keep it to its own head
+// value. Query rows are multiplied kAmxRows at a time, fewer padded with zeros. Used for bfloat16 KV when amx_ready(), the head size is a
 // multiple of 32 and the block size of 16 (use_amx); the tile registers are configured per attend call.
 
 constexpr int kAmxRows = 4;  // query rows per tile multiply: the M of P x V, the N of the scores
@@ -415,11 +419,11 @@ void amx_configure() {
   set(0, 16, 4 * kAmxRows);  // scores: S^T of 16 keys x kAmxRows rows, float32
   set(1, 16, 4 * kAmxRows);  // scores of the next 16 keys
   set(2, 16, 4 * kAmxRows);  // Q: 16 pairs of head values x kAmxRows rows x 2, bfloat16
-  set(3, 16, 64);            // K: 16 keys x 32 head values; in P x V, V: 16 key pairs x 16 head values x 2 (bfloat16)
-  set(4, 16, 64);            // the same for the next 16 keys / head values
-  set(5, kAmxRows, 64);      // O: kAmxRows rows x 16 head values, float32
-  set(6, kAmxRows, 64);      // O of the next 16 head values
-  set(7, kAmxRows, 64);      // P: kAmxRows rows x 32 keys, bfloat16
+  set(3, 16, 64);            // K: 16 keys x 32 head values, bfloat16; in P x V, V: the same, read as 16 "pairs"
+  set(4, 16, 64);            // the next 16 keys / 32 head values
+  set(5, 2 * kAmxRows, 64);  // O: the even head values of 32 (rows 0-3), then the odd ones (rows 4-7), float32
+  set(6, 2 * kAmxRows, 64);  // O of the next 32 head values
+  set(7, 2 * kAmxRows, 64);  // P of 16 keys spread over pairs: rows 0-3 (p, 0) per key, rows 4-7 (0, p), bfloat16
   asm volatile("ldtilecfg %0" ::"m"(c));
 }
 
@@ -427,55 +431,26 @@ void amx_configure() {
 // so no other AMX user on the thread (oneDNN in a bfloat16 GEMM) finds or leaves a configuration it did not make.
 void amx_release() { asm volatile("tilerelease" ::: "memory"); }
 
-// Keys per run of P x V: whole blocks, a multiple of 32, and about 16 KiB of V in the pair layout (so the packed copy
-// stays in L1 while the tiles read it: packing the whole chunk's V first measured slower, docs/benchmarks.md).
-inline int64_t amx_run_keys(int64_t bs, int64_t d) {
-  const int64_t unit = bs % 32 == 0 ? bs : 2 * bs;  // bs is a multiple of 16 (use_amx)
-  const int64_t want = std::max<int64_t>(32, 8192 / d);
-  return (want + unit - 1) / unit * unit;
-}
-
-// Per-thread scratch of the AMX path; sizes for chunks of up to nk32 keys (a multiple of 32), block size bs and head
-// size d.
+// Per-thread scratch of the AMX path; sizes for chunks of up to nk32 keys (a multiple of 32) and head size d.
 struct AmxScratch {
-  std::vector<at::BFloat16> qpack, pb, vp;
+  std::vector<at::BFloat16> qpack, pb, ps, vz;
   std::vector<float> st, ot;
-  void reserve(int64_t nk32, int64_t bs, int64_t d) {
+  void reserve(int64_t nk32, int64_t d) {
     qpack.resize(d * kAmxRows);             // [d / 32][16 pairs][kAmxRows][2]
-    pb.resize(kAmxRows * nk32);             // [kAmxRows][nk32]
-    vp.resize(amx_run_keys(bs, d) * d);     // [d / 16][pairs of a run][16][2]
+    pb.resize(kAmxRows * nk32);             // [kAmxRows][nk32]: P rounded to bfloat16
+    ps.resize(2 * kAmxRows * 2 * nk32);     // [2 * kAmxRows][2 * nk32]: P spread over pairs (chunk_rows_amx)
+    vz.resize(nk32 / 16 * 16 * d);          // [groups][16][d]: V of partly seen groups of 16 keys, zeros past them
     st.resize(nk32 * kAmxRows);    // [nk32 keys][kAmxRows]: S^T
-    ot.resize(d * kAmxRows);       // [d / 16][kAmxRows][16]
+    ot.resize(d * 2 * kAmxRows);   // [d / 32][2 * kAmxRows][16]: O, even then odd head values
   }
 };
 
-// V of one block (bs keys, head size d) into the pair layout of the chunk's packed V: key pair p of the block is pair
-// first_pair + p of vp [d / 16][pairs][16][2]. Within each 32 head values the pairs come in the order of AVX-512's
-// 16-bit unpacks (one instruction each): tile j / 16 holds head values j + 8q + r, tile j / 16 + 1 holds j + 8q + 4 + r
-// (q, r < 4) at column 4q + r; unpermute_o puts P x V's columns back. Keys from vmax on (no row sees them; the slot may
-// hold anything) are written as zeros, so that their zero probabilities never meet a non-finite value. A key one row
-// of the group sees and another does not (prefill rows within a block) is a written slot: a non-finite V there reaches
-// the other row as 0 * inf, as in the ATen path's matmul (the AVX-512 loop skips it per row).
-inline void pack_v_pairs(const at::BFloat16* v, int64_t bs, int64_t d, int64_t vmax, at::BFloat16* vp, int64_t pairs,
-                         int64_t first_pair) {
-  for (int64_t p = 0; p < bs / 2; ++p) {
-    const at::BFloat16* v0 = v + 2 * p * d;
-    const bool has0 = 2 * p < vmax, has1 = 2 * p + 1 < vmax;
-    for (int64_t j = 0; j < d; j += 32) {
-      const __m512i x = has0 ? _mm512_loadu_si512(v0 + j) : _mm512_setzero_si512();
-      const __m512i y = has1 ? _mm512_loadu_si512(v0 + d + j) : _mm512_setzero_si512();
-      _mm512_storeu_si512(vp + ((j / 16) * pairs + first_pair + p) * 32, _mm512_unpacklo_epi16(x, y));
-      _mm512_storeu_si512(vp + ((j / 16 + 1) * pairs + first_pair + p) * 32, _mm512_unpackhi_epi16(x, y));
-    }
-  }
-}
-
-// The two O tiles of 32 head values (lo, hi: columns in pack_v_pairs' order) back in head order.
-inline void unpermute_o(__m512 lo, __m512 hi, __m512& first, __m512& second) {
-  alignas(64) static constexpr int32_t kFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-  alignas(64) static constexpr int32_t kSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-  first = _mm512_permutex2var_ps(lo, _mm512_load_si512(kFirst), hi);
-  second = _mm512_permutex2var_ps(lo, _mm512_load_si512(kSecond), hi);
+// O's tile rows back in head order: even[n] is head value 2n of 32, odd[n] head value 2n + 1.
+inline void interleave_o(__m512 even, __m512 odd, __m512& first, __m512& second) {
+  alignas(64) static constexpr int32_t kFirst[16] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+  alignas(64) static constexpr int32_t kSecond[16] = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  first = _mm512_permutex2var_ps(even, _mm512_load_si512(kFirst), odd);
+  second = _mm512_permutex2var_ps(even, _mm512_load_si512(kSecond), odd);
 }
 
 // chunk_rows for bfloat16 KV on AMX (same chunking, causal limits and online softmax; see the section comment).
@@ -562,47 +537,67 @@ void chunk_rows_amx(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, flo
   }
   float alpha[RB];
   merge_rows<RB>(a, r0, s, nk, alpha, w.pb.data(), nk32);
-  for (int i = RB; i < kAmxRows; ++i) std::fill(w.pb.data() + i * nk32, w.pb.data() + (i + 1) * nk32, BF(0.f));
-  // acc = acc * alpha + P V. The chunk's keys go in runs of whole blocks (amx_run_keys): each run's V is packed, then
-  // multiplied 32 keys at a time into the O tiles of 32 head values at a time, which add up the runs in ot
-  // ([d / 16][kAmxRows][16]).
-  const int64_t sub = amx_run_keys(bs, d);
-  float* ot = w.ot.data();
-  std::fill(ot, ot + d * kAmxRows, 0.f);
-  BF* vp = w.vp.data();
-  for (int64_t k0 = 0; k0 < nk32; k0 += sub) {
-    const int64_t kn = std::min(sub, nk32 - k0), run_pairs = kn / 2;  // kn: a multiple of 32
-    for (int64_t t = k0; t < k0 + kn; t += bs) {  // the run's blocks
-      const int64_t c = t / bs;
-      if (c < cb) {
-        pack_v_pairs(static_cast<const BF*>(a.kv[c0 + c]) + bs * d, bs, d, vmax[c], vp, run_pairs, (t - k0) / 2);
-      } else {  // past the chunk's keys (a short last chunk): zeros
-        for (int64_t jt = 0; jt < d / 16; ++jt)
-          std::fill(vp + (jt * run_pairs + (t - k0) / 2) * 32, vp + (jt + 1) * run_pairs * 32, BF(0.f));
-        break;
-      }
-    }
-    for (int64_t jt = 0; jt < d / 16; jt += 2) {
-      AKV_TILE_LOAD(5, ot + jt * kAmxRows * 16, 64);
-      AKV_TILE_LOAD(6, ot + (jt + 1) * kAmxRows * 16, 64);
-      for (int64_t k32 = 0; k32 < kn / 32; ++k32) {
-        AKV_TILE_LOAD(7, w.pb.data() + k0 + k32 * 32, nk32 * 2);
-        AKV_TILE_LOAD(3, vp + (jt * run_pairs + k32 * 16) * 32, 64);
-        AKV_TILE_LOAD(4, vp + ((jt + 1) * run_pairs + k32 * 16) * 32, 64);
-        AKV_TILE_DPBF16PS(5, 7, 3);
-        AKV_TILE_DPBF16PS(6, 7, 4);
-      }
-      AKV_TILE_STORE(5, ot + jt * kAmxRows * 16, 64);
-      AKV_TILE_STORE(6, ot + (jt + 1) * kAmxRows * 16, 64);
+  // acc = acc * alpha + P V, with V read in place: a group of 16 keys' V (16 rows of head values, row stride d) is
+  // the B operand as stored, AMX taking each row's 32 head values as 16 pairs. A row of P whose pairs are (p_t, 0)
+  // then gives the even head values of the 32, and one with (0, p_t) the odd ones, so P goes in spread over pairs
+  // (rows 0-3 and 4-7 of one tile), and each product's tile holds the even head values of four query rows over the
+  // odd ones. A group no row sees is skipped; one that rows see in part is copied with zeros past the keys seen (its
+  // other slots may hold anything, and their zero probabilities must not meet a non-finite value).
+  const int64_t groups = nk / 16, ldp = 2 * nk32;  // ps row stride (bfloat16 values)
+  BF* ps = w.ps.data();
+  const BF* pb = w.pb.data();
+  for (int i = 0; i < kAmxRows; ++i) {
+    uint32_t* even = reinterpret_cast<uint32_t*>(ps + i * ldp);
+    uint32_t* odd = reinterpret_cast<uint32_t*>(ps + (kAmxRows + i) * ldp);
+    for (int64_t t = 0; t < nk; t += 16) {
+      const __m512i x = i < RB ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + i * nk32 + t)))
+                               : _mm512_setzero_si512();
+      _mm512_storeu_si512(even + t, x);                        // (p_t, 0): p_t in the low half of each 32 bits
+      _mm512_storeu_si512(odd + t, _mm512_slli_epi32(x, 16));  // (0, p_t)
     }
   }
-  for (int64_t jt = 0; jt < d / 16; jt += 2) {
+  const BF* gv[256 * 16];  // V of each group of 16 keys: in the pool, or its zero-padded copy in w.vz
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c = g * 16 / bs, t0 = g * 16 % bs, seen_keys = std::clamp<int64_t>(vmax[c] - t0, 0, 16);
+    const BF* v = static_cast<const BF*>(a.kv[c0 + c]) + (bs + t0) * d;
+    if (seen_keys == 0) {
+      gv[g] = nullptr;
+    } else if (seen_keys < 16) {
+      BF* z = w.vz.data() + g * 16 * d;
+      std::copy(v, v + seen_keys * d, z);
+      std::fill(z + seen_keys * d, z + 16 * d, BF(0.f));
+      gv[g] = z;
+    } else {
+      gv[g] = v;
+    }
+  }
+  float* ot = w.ot.data();
+  constexpr int kO = 2 * kAmxRows * 16;  // floats per O tile
+  std::fill(ot, ot + d / 32 * kO, 0.f);
+  for (int64_t js = 0; js < d / 32; js += 2) {  // two tiles of 32 head values
+    const bool two = js + 1 < d / 32;
+    AKV_TILE_LOAD(5, ot + js * kO, 64);
+    if (two) AKV_TILE_LOAD(6, ot + (js + 1) * kO, 64);
+    for (int64_t g = 0; g < groups; ++g) {
+      if (gv[g] == nullptr) continue;
+      AKV_TILE_LOAD(7, ps + g * 32, ldp * 2);
+      AKV_TILE_LOAD(3, gv[g] + js * 32, d * 2);
+      AKV_TILE_DPBF16PS(5, 7, 3);
+      if (two) {
+        AKV_TILE_LOAD(4, gv[g] + (js + 1) * 32, d * 2);
+        AKV_TILE_DPBF16PS(6, 7, 4);
+      }
+    }
+    AKV_TILE_STORE(5, ot + js * kO, 64);
+    if (two) AKV_TILE_STORE(6, ot + (js + 1) * kO, 64);
+  }
+  for (int64_t js = 0; js < d / 32; ++js) {
     for (int i = 0; i < RB; ++i) {
-      float* acc = a.acc + (r0 + i) * d + jt * 16;
+      float* acc = a.acc + (r0 + i) * d + js * 32;
       const Vec al(alpha[i]);
       __m512 first, second;
-      unpermute_o(_mm512_loadu_ps(ot + (jt * kAmxRows + i) * 16), _mm512_loadu_ps(ot + ((jt + 1) * kAmxRows + i) * 16),
-                  first, second);
+      interleave_o(_mm512_loadu_ps(ot + js * kO + i * 16), _mm512_loadu_ps(ot + js * kO + (kAmxRows + i) * 16),
+                   first, second);
       (Vec::loadu(acc) * al + Vec(first)).store(acc);
       (Vec::loadu(acc + kW) * al + Vec(second)).store(acc + kW);
     }
@@ -622,7 +617,7 @@ void attend_amx(const AttendArgs& a) {
   thread_local AmxScratch w;
   s.resize(kAmxRows * cmax * bs);
   valid.resize(kAmxRows * cmax);
-  w.reserve((cmax * bs + 31) / 32 * 32, bs, d);
+  w.reserve((cmax * bs + 31) / 32 * 32, d);
   amx_configure();
   for (int64_t c0 = 0; c0 < a.num_blocks; c0 += cmax) {
     const int64_t cb = std::min(cmax, a.num_blocks - c0);
