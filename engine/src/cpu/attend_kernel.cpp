@@ -175,6 +175,16 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
 }
 
+// Start the hardware's stream prefetchers on a block's K and V (each a run of `half` bytes, K first): ask for the
+// first `lines` cache lines of each, and the prefetchers, seeing a stream begin, fetch the rest of its page.
+inline void kick_kv(const void* kv, int64_t half, int lines) {
+  const char* c = static_cast<const char*>(kv);
+  for (int i = 0; i < lines; ++i) {
+    __builtin_prefetch(c + 64 * i, 0, 3);
+    __builtin_prefetch(c + half + 64 * i, 0, 3);
+  }
+}
+
 // Causal limit: keys of the block starting at key0 that query row r (of the request row) may see, 0 .. bs.
 inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
   const int64_t qpos = a.first_query_pos + r % a.num_q;
@@ -292,9 +302,17 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   const int64_t k_bytes = bs * d * static_cast<int64_t>(sizeof(T));
   for (int64_t c = 0; c < cb; ++c) {
     const T* k = static_cast<const T*>(a.kv[c0 + c]);
-    // The next block's K while this one is scored; its V is left to the hardware (K alone, one block ahead, measured
-    // best, as on the AMX path: docs/benchmarks.md).
-    if (c0 + c + 1 < a.num_blocks) prefetch_bytes(a.kv[c0 + c + 1], k_bytes);
+    // While a block is scored, the next block: a K of a page or more (head size 128 in float32) has its first 2 lines
+    // and V's asked for, the hardware prefetchers fetching the rest of each page; a smaller K (the e2e model's head
+    // size 32) is asked for whole, its V left to the hardware. Each measured best for its size (docs/benchmarks.md,
+    // "eighth session").
+    if (c0 + c + 1 < a.num_blocks) {
+      if (k_bytes >= 4096) {
+        kick_kv(a.kv[c0 + c + 1], k_bytes, 2);
+      } else {
+        prefetch_bytes(a.kv[c0 + c + 1], k_bytes);
+      }
+    }
     for (int i = 0; i < RB; ++i) {
       float* si = s + i * nk + c * bs;
       const int64_t n = valid[i * cb + c];
@@ -481,11 +499,21 @@ void chunk_rows_amx(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, flo
   const auto seen = [&](int64_t g) { return g * 16 % bs < vmax[g * 16 / bs]; };
   const auto key_row = [&](int64_t g) { return static_cast<const BF*>(a.kv[c0 + g * 16 / bs]) + (g * 16 % bs) * d; };
   for (int64_t g = 0; g < nk / 16; g += 2) {
-    // The next block's K while this one is scored. Its V is left to the hardware prefetchers for the P x V runs:
-    // prefetching K and V here, or V a run ahead, measured slower (docs/benchmarks.md, "seventh session").
-    for (int64_t h = g; h < std::min(g + 2, nk / 16); ++h)
-      if (h * 16 % bs == 0 && c0 + h * 16 / bs + 1 < a.num_blocks)
-        prefetch_bytes(a.kv[c0 + h * 16 / bs + 1], bs * d * 2);
+    // While a block is scored: a K of a page or more (head size 128) has the first lines of the next block's K and V
+    // (2 each) and of the block after (4 each) asked for, the hardware prefetchers fetching the rest of their pages
+    // (asking for the whole next K kept the fill buffers full and stalled); a smaller K is asked for whole, one block
+    // ahead (docs/benchmarks.md, "seventh" and "eighth session").
+    const int64_t k_bytes = bs * d * 2;
+    for (int64_t h = g; h < std::min(g + 2, nk / 16); ++h) {
+      if (h * 16 % bs != 0) continue;
+      const int64_t c = c0 + h * 16 / bs;
+      if (k_bytes >= 4096) {
+        if (c + 1 < a.num_blocks) kick_kv(a.kv[c + 1], k_bytes, 2);
+        if (c + 2 < a.num_blocks) kick_kv(a.kv[c + 2], k_bytes, 4);
+      } else if (c + 1 < a.num_blocks) {
+        prefetch_bytes(a.kv[c + 1], k_bytes);
+      }
+    }
     const bool s0 = seen(g), s1 = g + 1 < nk / 16 && seen(g + 1);
     if (!s0 && !s1) continue;
     AKV_TILE_ZERO(0);
