@@ -746,16 +746,15 @@ namespace {
 template <typename M>
 void quest_scores_as(const QuestArgs& a, int64_t begin, int64_t end) {
   const int64_t kvh = a.num_kv_heads, g = a.group, d = a.head_size;
-  // A block's min (and max) of every head is one run of kvh * d values at a random place (the row's block ids). Under
-  // a 4 KiB page per run (bfloat16 / float16 at 8 KV heads of 128) the hardware's stream prefetchers lock on too late,
-  // so the next block's runs are asked for while this one is scored; from a page up they do better alone
-  // (docs/benchmarks.md, "Issue 9, eighth session").
-  const int64_t run_bytes = kvh * d * static_cast<int64_t>(sizeof(M));
-  const bool ahead = run_bytes < 4096;
+  // A block's min (and max) of every head is one run of kvh * d values at a random place (the row's block ids).
+  // While a block is scored, the first 4 cache lines of the next block's two runs are asked for, and the hardware's
+  // stream prefetchers fetch the rest: asking for whole runs of a page (float32 at 8 KV heads of 128) measured slower
+  // than no prefetch, and no prefetch slower than this (docs/benchmarks.md, "Issue 9, eighth session").
+  const int64_t kick = std::min<int64_t>(kvh * d * static_cast<int64_t>(sizeof(M)), 4 * 64);
   for (int64_t c = begin; c < end; ++c) {
-    if (ahead && c + 1 < end) {
-      prefetch_bytes(static_cast<const M*>(a.key_min) + a.blocks[c + 1] * kvh * d, run_bytes);
-      prefetch_bytes(static_cast<const M*>(a.key_max) + a.blocks[c + 1] * kvh * d, run_bytes);
+    if (c + 1 < end) {
+      prefetch_bytes(static_cast<const M*>(a.key_min) + a.blocks[c + 1] * kvh * d, kick);
+      prefetch_bytes(static_cast<const M*>(a.key_max) + a.blocks[c + 1] * kvh * d, kick);
     }
     const M* mn_b = static_cast<const M*>(a.key_min) + a.blocks[c] * kvh * d;
     const M* mx_b = static_cast<const M*>(a.key_max) + a.blocks[c] * kvh * d;
