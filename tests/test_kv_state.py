@@ -372,8 +372,8 @@ def test_cpu_write_matches_the_aten_index_put_and_scatter(dtype: torch.dtype) ->
     nb, width = NUM_BLOCKS, NUM_KV_HEADS * HEAD_SIZE
     index = blk.unsqueeze(1).expand(n, width)
     for name, reduce, init in (("key_min", "amin", float("inf")), ("key_max", "amax", -float("inf"))):
-        expect = torch.full((nb, width), init, dtype=dtype).scatter_reduce_(0, index, key.reshape(n, width), reduce,
-                                                                           include_self=True)
+        expect = torch.full((nb, width), init, dtype=dtype)
+        expect.scatter_reduce_(0, index, key.reshape(n, width), reduce, include_self=True)
         got = getattr(state, name)(0).reshape(nb, width)
         torch.testing.assert_close(got, expect, rtol=0, atol=0, equal_nan=True, msg=name)
         assert got.isnan().any()  # the NaN reached the metadata

@@ -17,10 +17,10 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // The CPU write of KVState::write as plain loops (no ATen op per call): for each token i, K and V of every KV head to
 // the host tier at (blk[i], off[i]) and, where the block is resident (slot[i] >= 0), to its pool copy; then the key
 // min/max (in the KV dtype: a key's own value, so exact) of every written block, reset first where a token lands at
-// offset 0. The same values as the ATen ops of the
-// other devices: copies are exact, and min/max propagate NaN as scatter_reduce's amin/amax do (of -0 and +0 the first
-// written stays; ATen leaves that tie, and a NaN's payload, unspecified). key/value [N, KVH, D] and host [num_blocks,
-// KVH, 2, bs, D] of any strides; pool and key_min/max contiguous.
+// offset 0. The same values as the ATen ops of the other devices: copies are exact, and min/max propagate NaN as
+// scatter_reduce's amin/amax do (of -0 and +0 the first written stays; ATen leaves that tie, and a NaN's payload,
+// unspecified). key/value [N, KVH, D] and host [num_blocks, KVH, 2, bs, D] of any strides; pool and key_min/max
+// contiguous.
 template <typename T>
 void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at::Tensor& key_max,
                const at::Tensor& key, const at::Tensor& value, const std::vector<int64_t>& tok,

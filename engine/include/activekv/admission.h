@@ -15,7 +15,8 @@
 /// batched matmuls (or, with the native kernel on CPU, by the fused kernel of cpu_kernel.h reading the metadata in place).
 /// GQA: a KV head scores a block by the maximum of its query heads' bounds. Ties break by lowest block index: the
 /// chosen set is the one a stable descending sort would take first, found with one partial top-k (`at::topk`) for the
-/// k-th score, then every block above it and the lowest-positioned blocks equal to it. The pool admits the union of
+/// k-th score, then every block above it and the lowest-positioned blocks equal to it (the native path: one
+/// std::nth_element on (score, position) pairs, the same set). The pool admits the union of
 /// the heads' blocks; each head attends only to its own. Prefill rows and rows within the budget run exactly as exact
 /// mode.
 #include <activekv/kv_state.h>

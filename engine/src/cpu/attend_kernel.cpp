@@ -195,37 +195,27 @@ inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
 // the processors measured: docs/benchmarks.md, "Issue 9, sixth session").
 constexpr int64_t kChunkVInL1 = 32 * 1024;
 
-// o[i][u] += sum over t < lim[i] of p[i * nk + t] * v[t, j + u * kW ..], for the RB rows and NJ vectors of the head
-// held in registers (one block's V; p: the rows' probabilities of the block's keys, row stride nk). Both loop orders
-// of P x V in chunk_rows accumulate through this. With e (kSplit) the odd keys go to e instead of o: twice the
-// independent chains of fused multiply-adds, for small heads where RB * NJ chains alone wait on the adds' latency;
-// the caller adds e to o once per chunk.
-template <typename T, int RB, int NJ, bool kSplit = false>
+// o[i][u] += sum over t < lim[i] of p[i * nk + t] * v[t, j + u * kW ..], keys in order, for the RB rows and NJ vectors
+// of the head held in registers (one block's V; p: the rows' probabilities of the block's keys, row stride nk). Both
+// loop orders of P x V in chunk_rows accumulate through this.
+template <typename T, int RB, int NJ>
 inline void accumulate_block(const T* v, int64_t d, int64_t j, const float* p, int64_t nk, const int64_t* lim,
-                             Vec (&o)[RB][NJ], Vec (*e)[NJ] = nullptr) {
+                             Vec (&o)[RB][NJ]) {
   int64_t vmax = 0, vmin = std::numeric_limits<int64_t>::max();
   for (int i = 0; i < RB; ++i) {
     vmax = std::max(vmax, lim[i]);
     vmin = std::min(vmin, lim[i]);
   }
   const auto keys = [&](auto uniform) {  // uniform limits (decode rows, prefill rows past the block): no test per row
-    const auto key = [&](int64_t t, Vec(*acc)[NJ]) {
+    for (int64_t t = 0; t < vmax; ++t) {
       Vec vt[NJ];
       for (int u = 0; u < NJ; ++u) vt[u] = load_float(v + t * d + j + u * kW);
       for (int i = 0; i < RB; ++i) {
         if (!decltype(uniform)::value && t >= lim[i]) continue;
         const Vec pt(p[i * nk + t]);
-        for (int u = 0; u < NJ; ++u) acc[i][u] = at::vec::fmadd(pt, vt[u], acc[i][u]);
-      }
-    };
-    int64_t t = 0;
-    if constexpr (kSplit) {
-      for (; t + 2 <= vmax; t += 2) {
-        key(t, o);
-        key(t + 1, e);
+        for (int u = 0; u < NJ; ++u) o[i][u] = at::vec::fmadd(pt, vt[u], o[i][u]);
       }
     }
-    for (; t < vmax; ++t) key(t, o);
   };
   if (vmin == vmax) {
     keys(std::true_type{});
@@ -358,25 +348,21 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
       for (; j < dv; j += kW) block(v, j, lim, c, std::integral_constant<int, 1>{});
     }
   } else {
-    // The chunk's V fits in L1 (small heads): one vector of the head at a time over the whole chunk, the accumulators
-    // loaded and stored once per chunk instead of once per block.
+    // The chunk's V fits in L1 (small heads): two vectors of the head at a time (2 x RB independent chains of fused
+    // multiply-adds; one vector's RB chains waited on the adds' latency) over the whole chunk, the accumulators loaded
+    // and stored once per chunk instead of once per block.
     const auto walk = [&](int64_t j, auto nj) {
       constexpr int NJ = decltype(nj)::value;
-      Vec o[RB][NJ], e[RB][NJ];
-      for (int i = 0; i < RB; ++i) {
-        for (int u = 0; u < NJ; ++u) {
-          o[i][u] = Vec::loadu(acc[i] + j + u * kW) * Vec(alpha[i]);
-          e[i][u] = Vec(0.f);
-        }
-      }
+      Vec o[RB][NJ];
+      for (int i = 0; i < RB; ++i)
+        for (int u = 0; u < NJ; ++u) o[i][u] = Vec::loadu(acc[i] + j + u * kW) * Vec(alpha[i]);
       for (int64_t c = 0; c < cb; ++c) {
         int64_t lim[RB];
         for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
-        accumulate_block<T, RB, NJ, false>(static_cast<const T*>(a.kv[c0 + c]) + bs * d, d, j, s + c * bs, nk, lim,
-                                          o, e);
+        accumulate_block<T, RB, NJ>(static_cast<const T*>(a.kv[c0 + c]) + bs * d, d, j, s + c * bs, nk, lim, o);
       }
       for (int i = 0; i < RB; ++i)
-        for (int u = 0; u < NJ; ++u) (o[i][u] + e[i][u]).store(acc[i] + j + u * kW);
+        for (int u = 0; u < NJ; ++u) o[i][u].store(acc[i] + j + u * kW);
     };
     int64_t j = 0;
     for (; j + 2 * kW <= dv; j += 2 * kW) walk(j, std::integral_constant<int, 2>{});
@@ -404,8 +390,9 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
 // (two keys' values of one head value side by side, half the multiplies) measured slower: the copy cost more than
 // the tile work it saved (docs/benchmarks.md, "eighth session"). One consequence: a non-finite value in V also
 // reaches the other head value of its pair (its 0 x inf), where the AVX-512 and ATen paths keep it to its own head
-// value. Query rows are multiplied kAmxRows at a time, fewer padded with zeros. Used for bfloat16 KV when amx_ready(), the head size is a
-// multiple of 32 and the block size of 16 (use_amx); the tile registers are configured per attend call.
+// value. Query rows are multiplied kAmxRows at a time, fewer padded with zeros. Used for bfloat16 KV when
+// amx_ready(), the head size is a multiple of 32 and the block size of 16 (use_amx); the tile registers are
+// configured per attend call.
 
 constexpr int kAmxRows = 4;  // query rows per tile multiply: the M of P x V, the N of the scores
 
@@ -453,13 +440,15 @@ void amx_release() { asm volatile("tilerelease" ::: "memory"); }
 struct AmxScratch {
   std::vector<at::BFloat16> qpack, pb, ps, vz;
   std::vector<float> st, ot;
+  std::vector<const at::BFloat16*> gv;
   void reserve(int64_t nk32, int64_t d) {
     qpack.resize(d * kAmxRows);             // [d / 32][16 pairs][kAmxRows][2]
     pb.resize(kAmxRows * nk32);             // [kAmxRows][nk32]: P rounded to bfloat16
     ps.resize(2 * kAmxRows * 2 * nk32);     // [2 * kAmxRows][2 * nk32]: P spread over pairs (chunk_rows_amx)
     vz.resize(nk32 / 16 * 16 * d);          // [groups][16][d]: V of partly seen groups of 16 keys, zeros past them
+    gv.resize(nk32 / 16);                   // V of each group of 16 keys: in the pool, or in vz
     st.resize(nk32 * kAmxRows);    // [nk32 keys][kAmxRows]: S^T
-    ot.resize(d * 2 * kAmxRows);   // [d / 32][2 * kAmxRows][16]: O, even then odd head values
+    ot.resize(d / 32 * 2 * kAmxRows * 16);  // [d / 32][2 * kAmxRows][16]: O, even then odd head values
   }
 };
 
@@ -578,13 +567,14 @@ void chunk_rows_amx(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, flo
     uint32_t* even = reinterpret_cast<uint32_t*>(ps + i * ldp);
     uint32_t* odd = reinterpret_cast<uint32_t*>(ps + (kAmxRows + i) * ldp);
     for (int64_t t = 0; t < nk; t += 16) {
-      const __m512i x = i < RB ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + i * nk32 + t)))
-                               : _mm512_setzero_si512();
+      const __m256i p16 = i < RB ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pb + i * nk32 + t))
+                                 : _mm256_setzero_si256();
+      const __m512i x = _mm512_cvtepu16_epi32(p16);
       _mm512_storeu_si512(even + t, x);                        // (p_t, 0): p_t in the low half of each 32 bits
       _mm512_storeu_si512(odd + t, _mm512_slli_epi32(x, 16));  // (0, p_t)
     }
   }
-  const BF* gv[256 * 16];  // V of each group of 16 keys: in the pool, or its zero-padded copy in w.vz
+  const BF** gv = w.gv.data();  // V of each group of 16 keys: in the pool, its zero-padded copy in w.vz, or null
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t c = g * 16 / bs, t0 = g * 16 % bs, seen_keys = std::clamp<int64_t>(vmax[c] - t0, 0, 16);
     const BF* v = static_cast<const BF*>(a.kv[c0 + c]) + (bs + t0) * d;
