@@ -116,6 +116,33 @@ inline void score_keys(const float* q, const T* k, int64_t d, int64_t n, float s
   }
 }
 
+// Scores of kW consecutive keys, all of them visible, for RB consecutive query rows at once (RB divides kW):
+// out[i * ld + t] = scale * (q_i . k_t). Each of a key's vectors of K is loaded once for the RB rows, where
+// score_keys loads it once per row; kW / RB keys per pass, whose RB * kW / RB dot products accumulate in kW
+// registers and are summed by one lane_sums. Per dot product the same fused multiply-adds in the same order and the
+// same lane sum as score_keys (bit-identical to it). head_size a multiple of kW.
+template <typename T, int RB>
+inline void score_keys_rows(const float* q, const T* k, int64_t d, float scale, float* out, int64_t ld) {
+  static_assert(kW % RB == 0, "the rows must divide the keys scored together");
+  constexpr int KP = kW / RB;
+  for (int p = 0; p < RB; ++p) {
+    Vec acc[RB * KP];
+    for (int x = 0; x < RB * KP; ++x) acc[x] = Vec(0.f);
+    for (int64_t j = 0; j < d; j += kW) {
+      Vec qv[RB];
+      for (int i = 0; i < RB; ++i) qv[i] = Vec::loadu(q + i * d + j);
+      for (int t = 0; t < KP; ++t) {
+        const Vec kv = load_float(k + (p * KP + t) * d + j);
+        for (int i = 0; i < RB; ++i) acc[i * KP + t] = at::vec::fmadd(qv[i], kv, acc[i * KP + t]);
+      }
+    }
+    alignas(64) float sums[kW];
+    lane_sums(acc, sums);
+    for (int i = 0; i < RB; ++i)
+      for (int t = 0; t < KP; ++t) out[i * ld + p * KP + t] = sums[i * KP + t] * scale;
+  }
+}
+
 #if defined(CPU_CAPABILITY_AVX512)
 // bfloat16 K with AVX512-BF16 (`vdpbf16ps`: per float lane, two bfloat16 products added to the accumulator): the
 // query row q_bf16 is the float32 row rounded back to bfloat16, exact because it was widened from the model's
@@ -185,6 +212,23 @@ inline void kick_kv(const void* kv, int64_t half, int lines) {
   }
 }
 
+// v, held in a register: the compiler may not fold its load into each of the RB fused multiply-adds that read it
+// (as it otherwise does, loading V once per query row: on processors that load one 512-bit vector per cycle, such as
+// AMD Zen 4, P x V then waits on the loads, not the multiply-adds).
+inline Vec in_register(Vec v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 x = v;
+  asm("" : "+v"(x));
+  return x;
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 x = v;
+  asm("" : "+x"(x));
+  return x;
+#else
+  return v;
+#endif
+}
+
 // Causal limit: keys of the block starting at key0 that query row r (of the request row) may see, 0 .. bs.
 inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
   const int64_t qpos = a.first_query_pos + r % a.num_q;
@@ -209,7 +253,7 @@ inline void accumulate_block(const T* v, int64_t d, int64_t j, const float* p, i
   const auto keys = [&](auto uniform) {  // uniform limits (decode rows, prefill rows past the block): no test per row
     for (int64_t t = 0; t < vmax; ++t) {
       Vec vt[NJ];
-      for (int u = 0; u < NJ; ++u) vt[u] = load_float(v + t * d + j + u * kW);
+      for (int u = 0; u < NJ; ++u) vt[u] = in_register(load_float(v + t * d + j + u * kW));
       for (int i = 0; i < RB; ++i) {
         if (!decltype(uniform)::value && t >= lim[i]) continue;
         const Vec pt(p[i * nk + t]);
@@ -303,10 +347,21 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
         prefetch_bytes(a.kv[c0 + c + 1], k_bytes);
       }
     }
+    // Groups of kW keys every row sees, scored for the RB rows together (K loaded once for them), where the rows
+    // divide kW and K is not scored by AVX512-BF16 dot products; the rest row by row.
+    int64_t shared = 0;
+    if constexpr (RB > 1 && kW % RB == 0) {
+      if (d % kW == 0 && !(std::is_same_v<T, at::BFloat16> && q_bf16 != nullptr)) {
+        int64_t nmin = bs;
+        for (int i = 0; i < RB; ++i) nmin = std::min(nmin, valid[i * cb + c]);
+        for (; shared + kW <= nmin; shared += kW)
+          score_keys_rows<T, RB>(a.q + r0 * d, k + shared * d, d, scale, s + c * bs + shared, nk);
+      }
+    }
     for (int i = 0; i < RB; ++i) {
       float* si = s + i * nk + c * bs;
       const int64_t n = valid[i * cb + c];
-      int64_t t = 0;
+      int64_t t = shared;
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (q_bf16 != nullptr) {  // whole groups of 16 keys (16 floats of out each)
