@@ -8,14 +8,15 @@ in-process vLLM engine (`tools/vllm_run.py`, greedy, eager, prefix caching off, 
 context so each batch prefills in one step): `--batch` seeded prompts of `--context` tokens submitted together to
 vLLM's engine (`LLMEngine.add_request`), then `LLMEngine.step()` until they finish: the first step is the prefill
 (timed alone), the next `--new-tokens` steps decode the batch, timed step by step; `--repeats` times. The backends
-take turns for `--rounds` rounds (CPU_ATTN, ActiveKV, ActiveKV, then again), each round a fresh engine, so that a
-slow spell of the machine falls on all of them rather than on one. Decode tokens/s = batch / median decode step time
-over every round; the table also gives each round's median. (A difference of whole-generation times, as this tool
-once took, mixes the prefill's run-to-run noise into the few decode steps.) ActiveKV runs at vLLM block size 16 in
-exact mode twice: with its default options (pool 256 blocks, tile 16: a batch of long contexts streams through the
-pool every step) and with a pool that holds the batch's contexts; CPU_ATTN at its default block size (128). The table
-says how many forward steps vLLM counted and, for ActiveKV, how many native forward calls its telemetry counted (the
-proof the native path ran).
+take turns for `--rounds` rounds (CPU_ATTN, then the three ActiveKV runs, then again), each round a fresh engine, so
+that a slow spell of the machine falls on all of them rather than on one. Decode tokens/s = batch / median decode step
+time over every round; the table also gives each round's median. (A difference of whole-generation times, as this tool
+once took, mixes the prefill's run-to-run noise into the few decode steps.) ActiveKV runs at vLLM block size 16 in exact
+mode twice: with its default options (pool 256 blocks, tile 16: a batch of long contexts streams through the pool every
+step) and with a pool that holds the batch's contexts, then once more at the platform's default block size (128, what a
+vLLM user gets without `block_size`) with a pool that holds the contexts; CPU_ATTN at that default block size (128). The
+table says how many forward steps vLLM counted and, for ActiveKV, how many native forward calls its telemetry counted
+(the proof the native path ran).
 """
 
 from __future__ import annotations
@@ -53,14 +54,16 @@ def e2e_model(context: int, new_tokens: int) -> Path:
     return out
 
 
-def measure(model: Path, backend: str, args: argparse.Namespace, options: dict | None = None) -> dict:
-    """One round of one backend: a fresh engine, a warm-up generation, then `args.repeats` timed batches. Returns the
-    prefill and decode step times (s) and the last batch's step and native forward counts."""
+def measure(model: Path, backend: str, args: argparse.Namespace, options: dict | None = None,
+            block_size: int | None = None) -> dict:
+    """One round of one backend at vLLM block size `block_size` (None: the platform default, 128 on CPU): a fresh
+    engine, a warm-up generation, then `args.repeats` timed batches. Returns the prefill and decode step times (s) and
+    the last batch's step and native forward counts."""
     from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine, make_prompts
 
     config = EngineConfig(
         str(model), backend=backend, activekv=(options or {}) if backend == ACTIVEKV else None,
-        block_size=16 if backend == ACTIVEKV else None, max_model_len=args.context + args.new_tokens + 16,
+        block_size=block_size, max_model_len=args.context + args.new_tokens + 16,
         max_num_seqs=args.batch, kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.batch * args.context)
     prompts = make_prompts([args.context] * args.batch, vocab_size=512, seed=args.seed)
     from vllm import SamplingParams
@@ -122,15 +125,21 @@ def main(argv: list[str] | None = None) -> int:
 
     model = e2e_model(args.context, args.new_tokens)
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    whole_batch = args.batch * -(-(args.context + args.new_tokens + 16) // 16)  # blocks of 16 the batch can hold
-    runs = [("CPU_ATTN", CPU_ATTN, None), ("ACTIVEKV exact, default pool (256 blocks)", ACTIVEKV, {}),
-            (f"ACTIVEKV exact, pool {whole_batch} blocks (the batch's contexts)", ACTIVEKV,
-             {"pool_blocks": whole_batch})]
+    def whole_batch(block_size: int) -> int:  # blocks of block_size the batch's contexts fill
+        return args.batch * -(-(args.context + args.new_tokens + 16) // block_size)
+
+    # (label, backend, ActiveKV options, vLLM block size: None is the platform default, 128 on CPU)
+    runs = [("CPU_ATTN (block 128)", CPU_ATTN, None, None),
+            ("ACTIVEKV exact, block 16, default pool (256 blocks)", ACTIVEKV, {}, 16),
+            (f"ACTIVEKV exact, block 16, pool {whole_batch(16)} blocks (the batch's contexts)", ACTIVEKV,
+             {"pool_blocks": whole_batch(16)}, 16),
+            (f"ACTIVEKV exact, block 128, pool {whole_batch(128)} blocks (the batch's contexts)", ACTIVEKV,
+             {"pool_blocks": whole_batch(128)}, None)]
     results: list[list[dict]] = [[] for _ in runs]
     for _ in range(args.rounds):
-        for i, (_, backend, options) in enumerate(runs):
-            results[i].append(measure(model, backend, args, options))
-    rows = [summarise(label, results[i], args.batch) for i, (label, _, _) in enumerate(runs)]
+        for i, (_, backend, options, block_size) in enumerate(runs):
+            results[i].append(measure(model, backend, args, options, block_size))
+    rows = [summarise(label, results[i], args.batch) for i, (label, _, _, _) in enumerate(runs)]
     base = rows[0]["tokens_per_s"]
     print(f"command: `python -m tools.bench_e2e {' '.join(argv if argv is not None else sys.argv[1:])}`")
     print(f"model: {model} (2 layers, 4 query heads, 2 KV heads, head size 32, float32); context {args.context}, "
