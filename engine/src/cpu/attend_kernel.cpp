@@ -763,37 +763,17 @@ void attend_blocks(const AttendArgs& args) {
 }
 
 namespace {
-// The bounds of N query heads of a KV head's group for one block: r[u] = relu(q_u) . max + min(q_u, 0) . min. The N
-// heads share each load of the block's min and max; each head sums its positive and negative parts in two vector
-// accumulators (2N independent chains, instead of one chain of 2 * head_size / kW dependent fused multiply-adds per
-// head), added before the one horizontal sum; a head size off the vector width ends with a scalar tail.
+// The unreduced bounds of N query heads of a KV head's group for one block over the head size's first dv values (a
+// multiple of kW): out[u] = relu(q_u) * max + min(q_u, 0) * min, lane by lane. The N heads share each load of the
+// block's min and max; each head sums its positive and negative parts in two vector accumulators (2N independent
+// chains, instead of one chain of 2 * dv / kW dependent fused multiply-adds per head), added at the end. q rows have
+// stride d.
 template <int N, typename M>
-inline void group_bounds(const float* qp, const float* qn, const M* mn, const M* mx, int64_t d, float* r) {
+inline void group_vectors(const float* qp, const float* qn, const M* mn, const M* mx, int64_t d, int64_t dv,
+                          Vec* out) {
   Vec sp[N], sn[N];
   for (int u = 0; u < N; ++u) sp[u] = sn[u] = Vec(0.f);
-  int64_t j = 0;
-  for (; j + kW <= d; j += kW) {
-    const Vec vmx = load_float(mx + j), vmn = load_float(mn + j);
-    for (int u = 0; u < N; ++u) {
-      sp[u] = at::vec::fmadd(Vec::loadu(qp + u * d + j), vmx, sp[u]);
-      sn[u] = at::vec::fmadd(Vec::loadu(qn + u * d + j), vmn, sn[u]);
-    }
-  }
-  for (int u = 0; u < N; ++u) {
-    r[u] = reduce_add(sp[u] + sn[u]);
-    for (int64_t t = j; t < d; ++t)
-      r[u] += qp[u * d + t] * static_cast<float>(mx[t]) + qn[u * d + t] * static_cast<float>(mn[t]);
-  }
-}
-
-// The unreduced bounds of N query heads for one block: out[u] = relu(q_u) * max + min(q_u, 0) * min summed over the
-// head size's vectors (two accumulators per head, as group_bounds), lane by lane; one lane_sums over kW such vectors
-// then sums kW heads at once. head_size a multiple of kW.
-template <int N, typename M>
-inline void group_vectors(const float* qp, const float* qn, const M* mn, const M* mx, int64_t d, Vec* out) {
-  Vec sp[N], sn[N];
-  for (int u = 0; u < N; ++u) sp[u] = sn[u] = Vec(0.f);
-  for (int64_t j = 0; j < d; j += kW) {
+  for (int64_t j = 0; j < dv; j += kW) {
     const Vec vmx = load_float(mx + j), vmn = load_float(mn + j);
     for (int u = 0; u < N; ++u) {
       sp[u] = at::vec::fmadd(Vec::loadu(qp + u * d + j), vmx, sp[u]);
@@ -801,6 +781,21 @@ inline void group_vectors(const float* qp, const float* qn, const M* mn, const M
     }
   }
   for (int u = 0; u < N; ++u) out[u] = sp[u] + sn[u];
+}
+
+// The bounds of N query heads for one block, each summed alone: r[u] = relu(q_u) . max + min(q_u, 0) . min, one
+// horizontal sum of group_vectors per head, then a scalar tail for a head size off the vector width. (Head sizes that
+// are a multiple of kW sum kW heads at once instead: quest_scores_as.)
+template <int N, typename M>
+inline void group_bounds(const float* qp, const float* qn, const M* mn, const M* mx, int64_t d, float* r) {
+  const int64_t dv = d - d % kW;
+  Vec v[N];
+  group_vectors<N>(qp, qn, mn, mx, d, dv, v);
+  for (int u = 0; u < N; ++u) {
+    r[u] = reduce_add(v[u]);
+    for (int64_t t = dv; t < d; ++t)
+      r[u] += qp[u * d + t] * static_cast<float>(mx[t]) + qn[u * d + t] * static_cast<float>(mn[t]);
+  }
 }
 }  // namespace
 
@@ -842,10 +837,10 @@ void quest_scores_as(const QuestArgs& a, int64_t begin, int64_t end) {
           const float* qp = a.q_pos + (h * g + i0) * d;
           const float* qn = a.q_neg + (h * g + i0) * d;
           switch (n) {
-            case 4: group_vectors<4>(qp, qn, mn_b + h * d, mx_b + h * d, d, vbuf + filled); break;
-            case 3: group_vectors<3>(qp, qn, mn_b + h * d, mx_b + h * d, d, vbuf + filled); break;
-            case 2: group_vectors<2>(qp, qn, mn_b + h * d, mx_b + h * d, d, vbuf + filled); break;
-            default: group_vectors<1>(qp, qn, mn_b + h * d, mx_b + h * d, d, vbuf + filled); break;
+            case 4: group_vectors<4>(qp, qn, mn_b + h * d, mx_b + h * d, d, d, vbuf + filled); break;
+            case 3: group_vectors<3>(qp, qn, mn_b + h * d, mx_b + h * d, d, d, vbuf + filled); break;
+            case 2: group_vectors<2>(qp, qn, mn_b + h * d, mx_b + h * d, d, d, vbuf + filled); break;
+            default: group_vectors<1>(qp, qn, mn_b + h * d, mx_b + h * d, d, d, vbuf + filled); break;
           }
           filled += n;
         }
