@@ -212,6 +212,19 @@ inline void kick_kv(const void* kv, int64_t half, int lines) {
   }
 }
 
+// While block c's K is scored, ask for the next block: a K of a page or more (head size 128 in float32) has its first
+// 2 lines and V's asked for, the hardware prefetchers fetching the rest of each page; a smaller K (the e2e model's
+// head size 32) is asked for whole, its V left to the hardware. Each measured best for its size (docs/benchmarks.md,
+// "eighth session"; asking for a whole K of a page or more kept the fill buffers full and stalled).
+inline void ask_next_block(const AttendArgs& a, int64_t c, int64_t k_bytes) {
+  if (c + 1 >= a.num_blocks) return;
+  if (k_bytes >= 4096) {
+    kick_kv(a.kv[c + 1], k_bytes, 2);
+  } else {
+    prefetch_bytes(a.kv[c + 1], k_bytes);
+  }
+}
+
 // v, held in a register: the compiler may not fold its load into each of the RB fused multiply-adds that read it
 // (as it otherwise does, loading V once per query row: on processors that load one 512-bit vector per cycle, such as
 // AMD Zen 4, P x V then waits on the loads, not the multiply-adds).
@@ -336,17 +349,7 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   const int64_t k_bytes = bs * d * static_cast<int64_t>(sizeof(T));
   for (int64_t c = 0; c < cb; ++c) {
     const T* k = static_cast<const T*>(a.kv[c0 + c]);
-    // While a block is scored, the next block: a K of a page or more (head size 128 in float32) has its first 2 lines
-    // and V's asked for, the hardware prefetchers fetching the rest of each page; a smaller K (the e2e model's head
-    // size 32) is asked for whole, its V left to the hardware. Each measured best for its size (docs/benchmarks.md,
-    // "eighth session").
-    if (c0 + c + 1 < a.num_blocks) {
-      if (k_bytes >= 4096) {
-        kick_kv(a.kv[c0 + c + 1], k_bytes, 2);
-      } else {
-        prefetch_bytes(a.kv[c0 + c + 1], k_bytes);
-      }
-    }
+    ask_next_block(a, c0 + c, k_bytes);
     // Groups of kW keys every row sees, scored for the RB rows together (K loaded once for them), where the rows
     // divide kW and K is not scored by AVX512-BF16 dot products; the rest row by row.
     int64_t shared = 0;
@@ -543,20 +546,14 @@ void chunk_rows_amx(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, flo
   const auto seen = [&](int64_t g) { return g * 16 % bs < vmax[g * 16 / bs]; };
   const auto key_row = [&](int64_t g) { return static_cast<const BF*>(a.kv[c0 + g * 16 / bs]) + (g * 16 % bs) * d; };
   for (int64_t g = 0; g < nk / 16; g += 2) {
-    // While a block is scored: a K of a page or more (head size 128) has the first lines of the next block's K and V
-    // (2 each) and of the block after (4 each) asked for, the hardware prefetchers fetching the rest of their pages
-    // (asking for the whole next K kept the fill buffers full and stalled); a smaller K is asked for whole, one block
-    // ahead (docs/benchmarks.md, "seventh" and "eighth session").
+    // While a block is scored, the next one (ask_next_block); on AMX a K of a page or more also has the first 4 lines
+    // of the block after's K and V asked for (docs/benchmarks.md, "seventh" and "eighth session").
     const int64_t k_bytes = bs * d * 2;
     for (int64_t h = g; h < std::min(g + 2, nk / 16); ++h) {
       if (h * 16 % bs != 0) continue;
       const int64_t c = c0 + h * 16 / bs;
-      if (k_bytes >= 4096) {
-        if (c + 1 < a.num_blocks) kick_kv(a.kv[c + 1], k_bytes, 2);
-        if (c + 2 < a.num_blocks) kick_kv(a.kv[c + 2], k_bytes, 4);
-      } else if (c + 1 < a.num_blocks) {
-        prefetch_bytes(a.kv[c + 1], k_bytes);
-      }
+      ask_next_block(a, c, k_bytes);
+      if (k_bytes >= 4096 && c + 2 < a.num_blocks) kick_kv(a.kv[c + 2], k_bytes, 4);
     }
     const bool s0 = seen(g), s1 = g + 1 < nk / 16 && seen(g + 1);
     if (!s0 && !s1) continue;
@@ -822,61 +819,51 @@ void quest_scores_as(const QuestArgs& a, int64_t begin, int64_t end) {
     }
     const M* mn_b = static_cast<const M*>(a.key_min) + a.blocks[c] * kvh * d;
     const M* mx_b = static_cast<const M*>(a.key_max) + a.blocks[c] * kvh * d;
-    if (batched) {  // every query head's bound as a vector (group_vectors), kW of them summed by one lane_sums
-      int64_t filled = 0, done = 0;
-      const auto flush = [&]() {
-        for (int64_t u = filled; u < kW; ++u) vbuf[u] = Vec(0.f);
-        lane_sums(vbuf, bounds.data() + done);
-        done += filled;
-        filled = 0;
-      };
-      for (int64_t h = 0; h < kvh; ++h) {
-        for (int64_t i0 = 0; i0 < g; i0 += 4) {
-          const int64_t n = std::min<int64_t>(4, g - i0);
-          if (filled + n > kW) flush();
-          const float* qp = a.q_pos + (h * g + i0) * d;
-          const float* qn = a.q_neg + (h * g + i0) * d;
-          switch (n) {
-            case 4: group_vectors<4>(qp, qn, mn_b + h * d, mx_b + h * d, d, d, vbuf + filled); break;
-            case 3: group_vectors<3>(qp, qn, mn_b + h * d, mx_b + h * d, d, d, vbuf + filled); break;
-            case 2: group_vectors<2>(qp, qn, mn_b + h * d, mx_b + h * d, d, d, vbuf + filled); break;
-            default: group_vectors<1>(qp, qn, mn_b + h * d, mx_b + h * d, d, d, vbuf + filled); break;
-          }
-          filled += n;
-        }
-      }
-      if (filled > 0) flush();
-      for (int64_t h = 0; h < kvh; ++h) {
-        float best = -std::numeric_limits<float>::infinity();
-        for (int64_t u = 0; u < g; ++u) {
-          const float r = bounds[h * g + u];
-          best = (std::isnan(r) || r > best) ? r : best;
-          if (std::isnan(best)) break;
-        }
-        a.score[h * a.num_blocks + c] = best;
-      }
-      continue;
-    }
+    // Every query head's bound of the block into bounds[h * g + u], four heads of a group at a time (they share each
+    // load of the block's min and max): kept as vectors and summed kW at a time by one lane_sums where batched, else
+    // summed head by head (group_bounds).
+    int64_t filled = 0, done = 0;
+    const auto flush = [&]() {
+      for (int64_t u = filled; u < kW; ++u) vbuf[u] = Vec(0.f);
+      lane_sums(vbuf, bounds.data() + done);
+      done += filled;
+      filled = 0;
+    };
     for (int64_t h = 0; h < kvh; ++h) {
       const M* mn = mn_b + h * d;
       const M* mx = mx_b + h * d;
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t i0 = 0; i0 < g && !std::isnan(best); i0 += 4) {  // four query heads of the group at a time
+      for (int64_t i0 = 0; i0 < g; i0 += 4) {
+        const int64_t n = std::min<int64_t>(4, g - i0);
         const float* qp = a.q_pos + (h * g + i0) * d;
         const float* qn = a.q_neg + (h * g + i0) * d;
-        float r[4];
-        const int64_t n = std::min<int64_t>(4, g - i0);
+        if (!batched) {
+          float* r = bounds.data() + h * g + i0;
+          switch (n) {
+            case 4: group_bounds<4>(qp, qn, mn, mx, d, r); break;
+            case 3: group_bounds<3>(qp, qn, mn, mx, d, r); break;
+            case 2: group_bounds<2>(qp, qn, mn, mx, d, r); break;
+            default: group_bounds<1>(qp, qn, mn, mx, d, r); break;
+          }
+          continue;
+        }
+        if (filled + n > kW) flush();
         switch (n) {
-          case 4: group_bounds<4>(qp, qn, mn, mx, d, r); break;
-          case 3: group_bounds<3>(qp, qn, mn, mx, d, r); break;
-          case 2: group_bounds<2>(qp, qn, mn, mx, d, r); break;
-          default: group_bounds<1>(qp, qn, mn, mx, d, r); break;
+          case 4: group_vectors<4>(qp, qn, mn, mx, d, d, vbuf + filled); break;
+          case 3: group_vectors<3>(qp, qn, mn, mx, d, d, vbuf + filled); break;
+          case 2: group_vectors<2>(qp, qn, mn, mx, d, d, vbuf + filled); break;
+          default: group_vectors<1>(qp, qn, mn, mx, d, d, vbuf + filled); break;
         }
-        for (int64_t u = 0; u < n; ++u) {
-          // NaN (only from non-finite key metadata) ranks first, as in the ATen path's max over the group
-          best = (std::isnan(r[u]) || r[u] > best) ? r[u] : best;
-          if (std::isnan(best)) break;
-        }
+        filled += n;
+      }
+    }
+    if (filled > 0) flush();
+    for (int64_t h = 0; h < kvh; ++h) {
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t u = 0; u < g; ++u) {
+        // NaN (only from non-finite key metadata) ranks first, as in the ATen path's max over the group
+        const float r = bounds[h * g + u];
+        best = (std::isnan(r) || r > best) ? r : best;
+        if (std::isnan(best)) break;
       }
       a.score[h * a.num_blocks + c] = best;
     }
