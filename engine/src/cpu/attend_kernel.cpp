@@ -252,6 +252,14 @@ inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
 // the processors measured: docs/benchmarks.md, "Issue 9, sixth session").
 constexpr int64_t kChunkVInL1 = 32 * 1024;
 
+// Whether the vector registers (32 with AVX-512, 16 with AVX2) hold the accumulators of 4 query rows times 4 vectors
+// of the head beside 4 vectors of V, for P x V block by block.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kWideRows = true;
+#else
+constexpr bool kWideRows = false;
+#endif
+
 // o[i][u] += sum over t < lim[i] of p[i * nk + t] * v[t, j + u * kW ..], keys in order, for the RB rows and NJ vectors
 // of the head held in registers (one block's V; p: the rows' probabilities of the block's keys, row stride nk). Both
 // loop orders of P x V in chunk_rows accumulate through this.
@@ -385,7 +393,7 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   const int64_t dv = d - d % kW;
   if (cb * bs * d * static_cast<int64_t>(sizeof(T)) > kChunkVInL1) {
     // The chunk's V outgrows L1 (64-128 KiB at head size 128): block by block, each block's V read once in address
-    // order, the rows' accumulators of one or two vectors of the head in registers over the block's keys.
+    // order, the rows' accumulators of one, two or four vectors of the head in registers over the block's keys.
     for (int i = 0; i < RB; ++i)
       for (int64_t j = 0; j < dv; j += kW) (Vec::loadu(acc[i] + j) * Vec(alpha[i])).store(acc[i] + j);
     const auto block = [&](const T* v, int64_t j, const int64_t* lim, int64_t c, auto nj) {
@@ -402,6 +410,11 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
       int64_t lim[RB];
       for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
       int64_t j = 0;
+      if constexpr (kWideRows) {
+        // With 32 vector registers: four vectors of the head at a time (RB x 4 accumulators and 4 of V), so each
+        // probability's broadcast and each accumulator's load and store serve twice the multiply-adds.
+        for (; j + 4 * kW <= dv; j += 4 * kW) block(v, j, lim, c, std::integral_constant<int, 4>{});
+      }
       for (; j + 2 * kW <= dv; j += 2 * kW) block(v, j, lim, c, std::integral_constant<int, 2>{});
       for (; j < dv; j += kW) block(v, j, lim, c, std::integral_constant<int, 1>{});
     }
