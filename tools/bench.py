@@ -2,15 +2,17 @@
 
 `python -m tools.bench` (what `make bench` runs). One decode step of one attention layer, for a batch of requests
 that each bring one new token to a context of the row's length: 32 query heads, 8 KV heads, head size 128, float32
-and bfloat16 (`--dtypes`), block size 16, 2 threads, synthetic seeded tensors, block tables a seeded permutation of
-the block ids. A step is timed through the path vLLM drives, per column:
+and bfloat16 (`--dtypes`), block size 16 (and vLLM's CPU default, 128, where a column says so), 2 threads, synthetic
+seeded tensors, block tables a seeded permutation of the block ids. A step is timed through the path vLLM drives, per
+column:
 
 - ActiveKV exact (`activekv._backend.Builder`/`Impl`, called as vLLM's patched backend calls them): `build` the step
   plan, `do_kv_cache_update` the new token of every row (into the row's last slot, so the context length stays fixed
   and the last block's pool copy is written through), `forward` (admission, host -> pool transfer, tiled attention).
   Pool columns: the pool holds every block the step reads, or a quarter of them (exact mode then streams every block
-  each step). Attention by the fast CPU kernel (`kernel` "native", the default), and in the "ATen path" column by
-  the ATen tile path (`kernel` "aten", the path the Python reference mirrors bit for bit), pool=all.
+  each step). Block 16, and in the "block 128" column at vLLM's CPU default block size (what a vLLM user gets without
+  `block_size`), pool=all. Attention by the fast CPU kernel (`kernel` "native", the default), and in the "ATen path"
+  column by the ATen tile path (`kernel` "aten", the path the Python reference mirrors bit for bit), pool=all.
 - ActiveKV compressed: the same calls with `mode=compressed`, `budget_tokens` 2048, `sink_blocks` 1, `recent_blocks`
   2 and the default pool: the worst-case union of one row's selections (8 KV heads x 125 + 3 = 1003 blocks) for
   each of the scheduler's rows, capped at the KV cache's blocks (the Builder reads `scheduler_config.max_num_seqs`
@@ -67,6 +69,7 @@ COMPRESSED = {"mode": "compressed", "budget_tokens": 2048, "sink_blocks": 1, "re
 
 # Column headers (milliseconds per step); docs/benchmarks.md explains each.
 EXACT_POOL_ALL = "ActiveKV exact pool=all"
+EXACT_BLOCK_128 = "ActiveKV exact block 128 pool=all"
 EXACT_POOL_QUARTER = "ActiveKV exact pool=1/4"
 EXACT_ATEN = "ActiveKV exact ATen path pool=all"
 COMPRESSED_COLUMN = "ActiveKV compressed 2048"
@@ -74,16 +77,16 @@ COMPRESSED_ONE_UNION = "ActiveKV compressed 2048 pool=one union"
 CPU_ATTN_16 = "CPU_ATTN block 16"
 CPU_ATTN_128 = "CPU_ATTN block 128"
 SDPA = "SDPA"
-COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, EXACT_ATEN, COMPRESSED_COLUMN, COMPRESSED_ONE_UNION, CPU_ATTN_16, CPU_ATTN_128,
-           SDPA)
+COLUMNS = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN, COMPRESSED_COLUMN, COMPRESSED_ONE_UNION,
+           CPU_ATTN_16, CPU_ATTN_128, SDPA)
 # Columns whose output must equal attention over the whole context (within float32 rounding).
-EXACT_COLUMNS = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, EXACT_ATEN, CPU_ATTN_16, CPU_ATTN_128)
+EXACT_COLUMNS = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN, CPU_ATTN_16, CPU_ATTN_128)
 # Speed ratios reported per row and compressed column: (column / compressed). Above 1: compressed is that many times
 # faster.
 RATIO_COLUMNS = (CPU_ATTN_16, CPU_ATTN_128, EXACT_POOL_ALL, SDPA)
 # Issue 9's ratios: ActiveKV exact columns against vLLM's CPU default (at most 1.0x is the target), and CPU_ATTN
 # against compressed mode (above 1: compressed is faster).
-VS_CPU_ATTN = (EXACT_POOL_ALL, EXACT_POOL_QUARTER, EXACT_ATEN)
+VS_CPU_ATTN = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN)
 SAME_AS_DEFAULT = "= default"  # pool=one union at batch 1 is the default pool
 
 
@@ -222,16 +225,18 @@ def cpu_attn_column(case: Case, block_size: int) -> tuple[Callable[[], None], to
     return step, out
 
 
-def activekv_column(case: Case, backend: Any, options: dict[str, Any]) -> tuple[Callable[[], None], torch.Tensor]:
+def activekv_column(case: Case, backend: Any, options: dict[str, Any],
+                    block_size: int = BLOCK_SIZE) -> tuple[Callable[[], None], torch.Tensor]:
     """ActiveKV through its vLLM-facing objects, called as vLLM's patched backend calls them for one layer:
-    `Builder.build` on a CommonAttentionMetadata stand-in, `Impl.do_kv_cache_update`, `Impl.forward`. `options` go
-    to `additional_config["activekv"]` (tile_blocks is TILE_BLOCKS)."""
+    `Builder.build` on a CommonAttentionMetadata stand-in, `Impl.do_kv_cache_update`, `Impl.forward`, with the KV
+    cache in blocks of `block_size` tokens. `options` go to `additional_config["activekv"]` (tile_blocks is
+    TILE_BLOCKS)."""
     from types import SimpleNamespace
 
-    block_table = case.block_table(BLOCK_SIZE)
-    slots = case.slot_mapping(block_table, BLOCK_SIZE)
+    block_table = case.block_table(block_size)
+    slots = case.slot_mapping(block_table, block_size)
     num_blocks = block_table.numel()
-    spec = SimpleNamespace(block_size=BLOCK_SIZE, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=case.dtype,
+    spec = SimpleNamespace(block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=case.dtype,
                            sliding_window=None)
     config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: NUM_HEADS),
                              parallel_config=None,
@@ -244,7 +249,7 @@ def activekv_column(case: Case, backend: Any, options: dict[str, Any]) -> tuple[
     impl = backend.Impl(NUM_HEADS, HEAD_SIZE, case.scale, NUM_KV_HEADS)
     # vLLM's LBHNC per-layer view [num_blocks, num_kv_heads, block_size, 2 * head_size]; ActiveKV reads it as
     # [num_blocks, num_kv_heads, 2, block_size, head_size].
-    kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE), dtype=case.dtype)
+    kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=case.dtype)
     impl.do_kv_cache_update(layer, case.key, case.value, kv_cache, slots)
     last = case.last_rows()
     new_key, new_value, new_slots = case.key[last], case.value[last], slots[last]
@@ -262,10 +267,12 @@ def activekv_column(case: Case, backend: Any, options: dict[str, Any]) -> tuple[
     return step, out
 
 
-def exact_options(case: Case, pool_fraction: int, kernel: str = "native") -> dict[str, Any]:
-    """Exact mode with a pool of the blocks one step reads, divided by `pool_fraction` (at least one tile), and the
-    attention `kernel` ("native": the fast CPU kernel, the default; "aten": the ATen tile path)."""
-    num_blocks = case.batch * case.context // BLOCK_SIZE
+def exact_options(case: Case, pool_fraction: int, kernel: str = "native",
+                  block_size: int = BLOCK_SIZE) -> dict[str, Any]:
+    """Exact mode with a pool of the blocks (of `block_size` tokens) one step reads, divided by `pool_fraction` (at
+    least one tile), and the attention `kernel` ("native": the fast CPU kernel, the default; "aten": the ATen tile
+    path)."""
+    num_blocks = case.batch * case.context // block_size
     return {"mode": "exact", "pool_blocks": max(TILE_BLOCKS, num_blocks // pool_fraction), "kernel": kernel}
 
 
@@ -311,6 +318,8 @@ def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tup
     akv = backend is not None
     return {
         EXACT_POOL_ALL: (lambda: activekv_column(case, backend, exact_options(case, 1))) if akv else None,
+        EXACT_BLOCK_128: (lambda: activekv_column(case, backend, exact_options(case, 1, block_size=128), 128))
+        if akv else None,
         EXACT_POOL_QUARTER: (lambda: activekv_column(case, backend, exact_options(case, 4))) if akv else None,
         EXACT_ATEN: (lambda: activekv_column(case, backend, exact_options(case, 1, "aten"))) if akv else None,
         COMPRESSED_COLUMN: (lambda: activekv_column(case, backend, COMPRESSED)) if akv else None,
@@ -415,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
           f"python {platform.python_version()}")
     print(f"setup: decode (1 query token per row), {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head size "
           f"{HEAD_SIZE}, {' and '.join(args.dtypes)} (CPU_ATTN ISA {cpu_attn_isas(dtypes)}; ActiveKV CPU kernel "
-          f"{akv_capability}), ActiveKV block {BLOCK_SIZE} / tile {TILE_BLOCKS} "
+          f"{akv_capability}), ActiveKV block {BLOCK_SIZE} (and 128 where named) / tile {TILE_BLOCKS} "
           f"blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink {COMPRESSED['sink_blocks']} / "
           f"recent {COMPRESSED['recent_blocks']} / default pool batch x {worst_case_union_blocks()} blocks, "
           f"{torch.get_num_threads()} threads; median ms per step of one layer after up to {args.warmup} "
