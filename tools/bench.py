@@ -35,8 +35,12 @@ a trained model). A second table gives each exact column's time over CPU_ATTN bl
 target is at most 1.0x) and CPU_ATTN block 128's over compressed mode's; a third the speed ratios of compressed mode
 (each pool) against the other columns.
 
-Timings: warm-up steps first (they also fill the pool), then repetitions until `--min-reps` and `--budget-s` are both
-met (at most `--max-reps`; a slow cell stops after `--cap-s` once it has 3), so the default run takes a few minutes.
+Timings: every column of a (dtype, context, batch) is built first, then timed in `--rounds` rounds (default 3) in
+which the columns take turns, so a slow spell of a noisy machine falls on all of them and the ratios hold. A column's
+first round starts with warm-up steps (they also fill the pool), each later round with one; each round repeats the
+step until its share (1 / rounds) of `--min-reps` and `--budget-s` are both met (at most its share of `--max-reps`,
+at least 3; a slow cell stops after its share of `--cap-s`). A cell is the median over all its rounds' repetitions.
+The default run takes a few minutes.
 """
 
 from __future__ import annotations
@@ -149,8 +153,8 @@ def make_case(context: int, batch: int, seed: int, dtype: torch.dtype = torch.fl
     return Case(context, batch, key, value, query, seed)
 
 
-def time_step(step: Callable[[], None], timing: Timing) -> tuple[float, int]:
-    """(median wall time of `step` in milliseconds, repetitions timed).
+def time_step(step: Callable[[], None], timing: Timing) -> list[float]:
+    """Wall times of `step` in milliseconds, one per repetition, after `warmup` untimed steps.
 
     Repeats until both `min_reps` and `budget_s` are met (at most `max_reps`). A slow path warms up for at most
     `cap_s` / 2 seconds (at least one step) and stops repeating after `cap_s` seconds once it has 3 repetitions, so
@@ -171,8 +175,16 @@ def time_step(step: Callable[[], None], timing: Timing) -> tuple[float, int]:
             break
         t0 = time.perf_counter()
         step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3, len(times)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def round_timing(timing: Timing, rounds: int, first: bool) -> Timing:
+    """One round's share of a cell's `timing`: the warm-up steps in the first round (one step in each later round,
+    which brings the column's data back into cache after the other columns ran), and 1 / `rounds` of the
+    repetitions, the budget and the cap (at least 3 repetitions, 1 warm-up step)."""
+    return Timing(timing.warmup if first else 1, max(3, -(-timing.min_reps // rounds)),
+                  max(3, -(-timing.max_reps // rounds)), timing.budget_s / rounds, timing.cap_s / rounds)
 
 
 def sdpa_column(case: Case) -> tuple[Callable[[], None], torch.Tensor]:
@@ -333,9 +345,11 @@ def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tup
 
 
 def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequence[int], timing: Timing,
-        seed: int) -> tuple[list[str], list[str], list[str], list[int]]:
+        seed: int, rounds: int = 1) -> tuple[list[str], list[str], list[str], list[int]]:
     """Benchmark every (dtype, context, batch); returns (markdown table lines, compressed ratio table lines, exact vs
-    CPU_ATTN ratio table lines, repetitions of every timed cell)."""
+    CPU_ATTN ratio table lines, repetitions of every timed cell). Every column of a (dtype, context, batch) is built
+    first, then timed in `rounds` rounds, the columns taking turns in each (so a slow spell of a noisy machine falls
+    on all of them); a cell is the median of its repetitions over the rounds."""
     backend, _ = load_backend()
     header = ["dtype", "context", "batch", *COLUMNS, "max diff (exact)", "compressed diff (approximate)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -347,16 +361,18 @@ def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequenc
     reps: list[int] = []
     for dtype, context, batch in ((t, c, b) for t in dtypes for c in contexts for b in batches):
         case = make_case(context, batch, seed, dtype)
-        ms: dict[str, float] = {}
+        steps: dict[str, Callable[[], None]] = {}
         outputs: dict[str, torch.Tensor] = {}
         for name, make in column_makers(case, backend).items():
-            if make is None:
-                continue
-            step, out = make()
-            ms[name], n = time_step(step, timing)
-            reps.append(n)
-            outputs[name] = out
-            del step  # frees this column's cache and pool before the next one is built
+            if make is not None:
+                steps[name], outputs[name] = make()
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for r in range(rounds):
+            for name, step in steps.items():
+                times[name] += time_step(step, round_timing(timing, rounds, r == 0))
+        ms = {name: statistics.median(t) for name, t in times.items()}
+        reps += [len(t) for t in times.values()]
+        del steps  # frees the columns' caches and pools before the next case
         reference = outputs[SDPA]
 
         def diff(name: str) -> float:
@@ -397,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=1.0, help="seconds of repetitions per cell, at least")
     parser.add_argument("--cap-s", type=float, default=8.0, help="stop a slow cell after this, once it has 3 reps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds per (dtype, context, batch), the columns taking turns in each")
     args = parser.parse_args(argv)
     for n in args.contexts:
         if n % 128:
@@ -415,7 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     timing = Timing(args.warmup, args.min_reps, args.max_reps, args.budget_s, args.cap_s)
     dtypes = [getattr(torch, name) for name in args.dtypes]
-    table, ratios, vs_cpu_attn, reps = run(dtypes, args.contexts, args.batches, timing, args.seed)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    table, ratios, vs_cpu_attn, reps = run(dtypes, args.contexts, args.batches, timing, args.seed, args.rounds)
     elapsed = time.perf_counter() - started
     command = shlex.join(["python", "-m", "tools.bench", *(argv if argv is not None else sys.argv[1:])])
     print(f"command: `{command}`")
@@ -428,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
           f"blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink {COMPRESSED['sink_blocks']} / "
           f"recent {COMPRESSED['recent_blocks']} / default pool batch x {worst_case_union_blocks()} blocks, "
           f"{torch.get_num_threads()} threads; median ms per step of one layer after up to {args.warmup} "
-          f"warm-up steps, {min(reps)}-{max(reps)} reps per cell; seed {args.seed}; run took {elapsed:.0f} s")
+          f"warm-up steps, {min(reps)}-{max(reps)} reps per cell in {args.rounds} rounds (the columns take turns in "
+          f"each); seed {args.seed}; run took {elapsed:.0f} s")
     print()
     print("\n".join(table))
     if len(vs_cpu_attn) > 2:
