@@ -35,11 +35,13 @@ a trained model). A second table gives each exact column's time over CPU_ATTN bl
 target is at most 1.0x) and CPU_ATTN block 128's over compressed mode's; a third the speed ratios of compressed mode
 (each pool) against the other columns.
 
-Timings: every column of a (dtype, context, batch) is built first, then timed in `--rounds` rounds (default 3) in
-which the columns take turns, so a slow spell of a noisy machine falls on all of them and the ratios hold. A column's
+Timings: per (dtype, context, batch), CPU_ATTN block 128 (the anchor of the ratios against vLLM) is built first and
+kept; every other column is built, timed in `--rounds` rounds (default 3) taking turns with the anchor, and freed (so a
+slow spell of a noisy machine falls on both, and one column's memory at a time sits beside the anchor's). A column's
 first round starts with warm-up steps (they also fill the pool), each later round with one; each round repeats the
 step until its share (1 / rounds) of `--min-reps` and `--budget-s` are both met (at most its share of `--max-reps`,
-at least 3; a slow cell stops after its share of `--cap-s`). A cell is the median over all its rounds' repetitions.
+at least 3; a slow cell stops after its share of `--cap-s`). A cell is the median over all its rounds' repetitions;
+a ratio to the anchor divides by the anchor's median over the rounds it took turns with that column.
 The default run takes a few minutes.
 """
 
@@ -347,9 +349,14 @@ def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tup
 def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequence[int], timing: Timing,
         seed: int, rounds: int = 1) -> tuple[list[str], list[str], list[str], list[int]]:
     """Benchmark every (dtype, context, batch); returns (markdown table lines, compressed ratio table lines, exact vs
-    CPU_ATTN ratio table lines, repetitions of every timed cell). Every column of a (dtype, context, batch) is built
-    first, then timed in `rounds` rounds, the columns taking turns in each (so a slow spell of a noisy machine falls
-    on all of them); a cell is the median of its repetitions over the rounds."""
+    CPU_ATTN ratio table lines, repetitions of every timed cell).
+
+    Per (dtype, context, batch), CPU_ATTN block 128 (the anchor every ratio against vLLM is taken to) is built first
+    and kept; every other column is then built, timed in `rounds` rounds taking turns with the anchor (so a slow
+    spell of a noisy machine falls on both), and freed before the next (one column's cache and pool at a time beside
+    the anchor's: all of them together outgrow 24 GiB at 32k, batch 8). A cell is the median of its repetitions over
+    the rounds; the anchor's cell the median of all its repetitions. Each column's ratio to the anchor divides by the
+    anchor's median over the rounds it took turns with that column."""
     backend, _ = load_backend()
     header = ["dtype", "context", "batch", *COLUMNS, "max diff (exact)", "compressed diff (approximate)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -361,18 +368,28 @@ def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequenc
     reps: list[int] = []
     for dtype, context, batch in ((t, c, b) for t in dtypes for c in contexts for b in batches):
         case = make_case(context, batch, seed, dtype)
-        steps: dict[str, Callable[[], None]] = {}
+        makers = column_makers(case, backend)
         outputs: dict[str, torch.Tensor] = {}
-        for name, make in column_makers(case, backend).items():
-            if make is not None:
-                steps[name], outputs[name] = make()
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        for r in range(rounds):
-            for name, step in steps.items():
-                times[name] += time_step(step, round_timing(timing, rounds, r == 0))
-        ms = {name: statistics.median(t) for name, t in times.items()}
-        reps += [len(t) for t in times.values()]
-        del steps  # frees the columns' caches and pools before the next case
+        ms: dict[str, float] = {}
+        paired: dict[str, float] = {}  # the anchor's median over the rounds it alternated with each column
+        anchor, outputs[CPU_ATTN_128] = makers.pop(CPU_ATTN_128)()
+        anchor_times: list[float] = []
+        for name, make in makers.items():
+            if make is None:
+                continue
+            step, outputs[name] = make()
+            times: list[float] = []
+            with_column: list[float] = []
+            for r in range(rounds):
+                times += time_step(step, round_timing(timing, rounds, r == 0))
+                with_column += time_step(anchor, round_timing(timing, rounds, r == 0 and not anchor_times))
+            del step  # frees this column's cache and pool before the next one is built
+            ms[name], paired[name] = statistics.median(times), statistics.median(with_column)
+            anchor_times += with_column
+            reps.append(len(times))
+        ms[CPU_ATTN_128] = statistics.median(anchor_times)
+        reps.append(len(anchor_times))
+        del anchor
         reference = outputs[SDPA]
 
         def diff(name: str) -> float:
@@ -392,11 +409,9 @@ def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequenc
             if variant in ms:
                 ratios = [f"{ms[name] / ms[variant]:.2f}x" for name in RATIO_COLUMNS]
                 ratio_lines.append(label + f"{pool} | " + " | ".join(ratios) + " |")
-        if CPU_ATTN_128 in ms:
-            vs = [f"{ms[name] / ms[CPU_ATTN_128]:.2f}x" if name in ms else MISSING
-                  for name in VS_CPU_ATTN]
-            vs.append(f"{ms[CPU_ATTN_128] / ms[COMPRESSED_COLUMN]:.2f}x" if COMPRESSED_COLUMN in ms else MISSING)
-            vs_lines.append(label + " | ".join(vs) + " |")
+        vs = [f"{ms[name] / paired[name]:.2f}x" if name in ms else MISSING for name in VS_CPU_ATTN]
+        vs.append(f"{paired[COMPRESSED_COLUMN] / ms[COMPRESSED_COLUMN]:.2f}x" if COMPRESSED_COLUMN in ms else MISSING)
+        vs_lines.append(label + " | ".join(vs) + " |")
         del case, outputs, reference
     return lines, ratio_lines, vs_lines, reps
 
