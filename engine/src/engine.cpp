@@ -566,12 +566,23 @@ void Engine::forward_native(LayerState& L, const at::Tensor& host, const at::Ten
   const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(L.pool.element_size());  // K and V of (block, head)
 
   auto run_round = [&]() {
-    // Tasks: (row, first KV head, heads). With at least two rows per thread a task is a whole row and walks its heads
-    // tile by tile (a tile's slots hold every head's K and V side by side: [P, KVH, 2, bs, D]), so the pool is read
-    // close to its address order; with fewer rows each task is one (row, KV head), so the heads keep every thread busy.
+    // Tasks: (row, first KV head, heads). A task walks its heads tile by tile (a tile's slots hold every head's K and
+    // V side by side: [P, KVH, 2, bs, D]), so the more heads per task, the closer the pool is read to its address
+    // order. With at least two rows per thread a task is a whole row; with fewer, a task is the most heads (a divisor
+    // of the KV heads) that still give every thread the same number of tasks (one head per task if none does).
     int64_t round_rows = 0;
     for (const auto& rr : round) round_rows += rr.slots.empty() ? 0 : 1;
-    const int64_t per_task = round_rows >= 2 * at::get_num_threads() ? kvh : 1;
+    const int64_t threads = at::get_num_threads();
+    int64_t per_task = kvh;
+    if (round_rows < 2 * threads) {
+      per_task = 1;
+      for (int64_t p = kvh; p > 1; --p) {
+        if (kvh % p == 0 && (round_rows * (kvh / p)) % threads == 0) {
+          per_task = p;
+          break;
+        }
+      }
+    }
     std::vector<std::pair<size_t, int64_t>> tasks;  // (row, first head)
     for (size_t i = 0; i < rows.size(); ++i)
       if (!round[i].slots.empty())
