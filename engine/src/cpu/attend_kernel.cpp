@@ -83,39 +83,6 @@ inline void lane_sums(const Vec* v, float* out) {
 }
 #endif
 
-// Scores of n <= kW consecutive keys (rows of k, stride d) for one query row: out[t] = scale * (q . k_t), t < n. The
-// row's vector of q is loaded once per kW keys; the dot products accumulate in kW registers, summed by lane_sums; a
-// head size that is not a multiple of kW ends with a scalar tail.
-template <typename T>
-inline void score_keys(const float* q, const T* k, int64_t d, int64_t n, float scale, float* out) {
-  Vec acc[kW];
-  for (int t = 0; t < kW; ++t) acc[t] = Vec(0.f);
-  const int64_t dv = d - d % kW;
-  if (n == kW) {  // the common case, fully unrolled
-    for (int64_t j = 0; j < dv; j += kW) {
-      const Vec qv = Vec::loadu(q + j);
-      for (int t = 0; t < kW; ++t) acc[t] = at::vec::fmadd(qv, load_float(k + t * d + j), acc[t]);
-    }
-  } else {
-    for (int64_t j = 0; j < dv; j += kW) {
-      const Vec qv = Vec::loadu(q + j);
-      for (int64_t t = 0; t < n; ++t) acc[t] = at::vec::fmadd(qv, load_float(k + t * d + j), acc[t]);
-    }
-  }
-  if (n == kW && dv == d) {  // the common case: scaled as one vector
-    lane_sums(acc, out);
-    (Vec::loadu(out) * Vec(scale)).store(out);
-    return;
-  }
-  float sums[kW];
-  lane_sums(acc, sums);
-  for (int64_t t = 0; t < n; ++t) {
-    float r = sums[t];
-    for (int64_t j = dv; j < d; ++j) r += q[j] * static_cast<float>(k[t * d + j]);
-    out[t] = r * scale;
-  }
-}
-
 // Scores of kW consecutive keys, all of them visible, for RB consecutive query rows at once (RB divides kW):
 // out[i * ld + t] = scale * (q_i . k_t). Each of a key's vectors of K is loaded once for the RB rows, where
 // score_keys loads it once per row; kW / RB keys per pass, whose RB * kW / RB dot products accumulate in kW
@@ -136,10 +103,38 @@ inline void score_keys_rows(const float* q, const T* k, int64_t d, float scale, 
         for (int i = 0; i < RB; ++i) acc[i * KP + t] = at::vec::fmadd(qv[i], kv, acc[i * KP + t]);
       }
     }
-    alignas(64) float sums[kW];
-    lane_sums(acc, sums);
-    for (int i = 0; i < RB; ++i)
-      for (int t = 0; t < KP; ++t) out[i * ld + p * KP + t] = sums[i * KP + t] * scale;
+    if constexpr (RB == 1) {  // one row's kW scores are contiguous: scaled as one vector
+      lane_sums(acc, out);
+      (Vec::loadu(out) * Vec(scale)).store(out);
+    } else {
+      alignas(64) float sums[kW];
+      lane_sums(acc, sums);
+      for (int i = 0; i < RB; ++i)
+        for (int t = 0; t < KP; ++t) out[i * ld + p * KP + t] = sums[i * KP + t] * scale;
+    }
+  }
+}
+
+// Scores of n <= kW consecutive keys (rows of k, stride d) for one query row: out[t] = scale * (q . k_t), t < n. The
+// row's vector of q is loaded once per kW keys; the dot products accumulate in kW registers, summed by lane_sums. A
+// full group of kW keys of a head size that is a multiple of kW is score_keys_rows for one row; otherwise the same
+// accumulation over the keys given, and a head size that is not a multiple of kW ends with a scalar tail.
+template <typename T>
+inline void score_keys(const float* q, const T* k, int64_t d, int64_t n, float scale, float* out) {
+  const int64_t dv = d - d % kW;
+  if (n == kW && dv == d) return score_keys_rows<T, 1>(q, k, d, scale, out, 0);
+  Vec acc[kW];
+  for (int t = 0; t < kW; ++t) acc[t] = Vec(0.f);
+  for (int64_t j = 0; j < dv; j += kW) {
+    const Vec qv = Vec::loadu(q + j);
+    for (int64_t t = 0; t < n; ++t) acc[t] = at::vec::fmadd(qv, load_float(k + t * d + j), acc[t]);
+  }
+  float sums[kW];
+  lane_sums(acc, sums);
+  for (int64_t t = 0; t < n; ++t) {
+    float r = sums[t];
+    for (int64_t j = dv; j < d; ++j) r += q[j] * static_cast<float>(k[t * d + j]);
+    out[t] = r * scale;
   }
 }
 
