@@ -463,8 +463,8 @@ def main(argv: list[str] | None = None) -> int:
           f"blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink {COMPRESSED['sink_blocks']} / "
           f"recent {COMPRESSED['recent_blocks']} / default pool batch x {worst_case_union_blocks()} blocks, "
           f"{torch.get_num_threads()} threads; median ms per step of one layer after up to {args.warmup} "
-          f"warm-up steps, {min(reps)}-{max(reps)} reps per cell in {args.rounds} rounds (each column taking turns with "
-          f"{CPU_ATTN_128}); seed {args.seed}; run took {elapsed:.0f} s")
+          f"warm-up steps, {min(reps)}-{max(reps)} reps per cell in {args.rounds} rounds (each column taking turns "
+          f"with {CPU_ATTN_128}); seed {args.seed}; run took {elapsed:.0f} s")
     print()
     print("\n".join(table))
     if len(vs_cpu_attn) > 2:
