@@ -101,8 +101,8 @@ def test_native_scores_are_within_float32_rounding_of_aten_and_select_the_same_b
     """The CPU kernel sums the bound in another order (vectorised fused multiply-adds) than the two matmuls: scores
     agree to a few float32 ulps of the terms' magnitude (tolerance: 1e-5 relative to sum_d |q_d| max(|min_d|,
     |max_d|), about 50 ulps), and on these inputs they select the same blocks. Head size 40 is off AVX-512's vector
-    width (one horizontal sum per head and a scalar tail); the others sum 16 heads at a time, 4 to 32 query heads
-    per block (a last group of fewer than 16, groups of 3 that do not divide 16)."""
+    width (a scalar tail per head after the vector part); 16 heads are summed at a time, 4 to 32 query heads per
+    block (a last group of fewer than 16, groups of 3 that do not divide 16)."""
     g = torch.Generator().manual_seed(d * gqa)
     kvh, hb = 4, 600
     q = torch.randn(1, kvh * gqa, d, generator=g)

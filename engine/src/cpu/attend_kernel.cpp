@@ -788,20 +788,6 @@ inline void group_vectors(const float* qp, const float* qn, const M* mn, const M
   for (int u = 0; u < N; ++u) out[u] = sp[u] + sn[u];
 }
 
-// The bounds of N query heads for one block, each summed alone: r[u] = relu(q_u) . max + min(q_u, 0) . min, one
-// horizontal sum of group_vectors per head, then a scalar tail for a head size off the vector width. (Head sizes that
-// are a multiple of kW sum kW heads at once instead: quest_scores_as.)
-template <int N, typename M>
-inline void group_bounds(const float* qp, const float* qn, const M* mn, const M* mx, int64_t d, float* r) {
-  const int64_t dv = d - d % kW;
-  Vec v[N];
-  group_vectors<N>(qp, qn, mn, mx, d, dv, v);
-  for (int u = 0; u < N; ++u) {
-    r[u] = reduce_add(v[u]);
-    for (int64_t t = dv; t < d; ++t)
-      r[u] += qp[u * d + t] * static_cast<float>(mx[t]) + qn[u * d + t] * static_cast<float>(mn[t]);
-  }
-}
 }  // namespace
 
 namespace {
@@ -813,10 +799,10 @@ void quest_scores_as(const QuestArgs& a, int64_t begin, int64_t end) {
   // stream prefetchers fetch the rest: asking for whole runs of a page (float32 at 8 KV heads of 128) measured slower
   // than no prefetch, and no prefetch slower than this (docs/benchmarks.md, "Issue 9, eighth session").
   const int64_t kick = std::min<int64_t>(kvh * d * static_cast<int64_t>(sizeof(M)), 4 * 64);
-  // Head sizes that are a multiple of kW (every size the backend supports) sum kW query heads' bounds with one
-  // lane_sums (a butterfly of vector additions) instead of one horizontal sum per head: 15-21% less time per call
-  // (docs/benchmarks.md, "Issue 9, ninth session"); other sizes take group_bounds with its scalar tail.
-  const bool batched = d % kW == 0;
+  // Every query head's bound is kept as a vector over the head size's multiple of kW and kW heads' vectors are summed
+  // by one lane_sums (a butterfly of vector additions), instead of one horizontal sum per head: 15-21% less time per
+  // call (docs/benchmarks.md, "Issue 9, ninth session"); a head size off the vector width adds a scalar tail per head.
+  const int64_t dv = d - d % kW;
   Vec vbuf[kW];
   thread_local std::vector<float> bounds;  // [kvh * g] the block's bounds (+ kW: lane_sums writes kW at a time)
   bounds.resize(kvh * g + kW);
@@ -828,8 +814,7 @@ void quest_scores_as(const QuestArgs& a, int64_t begin, int64_t end) {
     const M* mn_b = static_cast<const M*>(a.key_min) + a.blocks[c] * kvh * d;
     const M* mx_b = static_cast<const M*>(a.key_max) + a.blocks[c] * kvh * d;
     // Every query head's bound of the block into bounds[h * g + u], four heads of a group at a time (they share each
-    // load of the block's min and max): kept as vectors and summed kW at a time by one lane_sums where batched, else
-    // summed head by head (group_bounds).
+    // load of the block's min and max).
     int64_t filled = 0, done = 0;
     const auto flush = [&]() {
       for (int64_t u = filled; u < kW; ++u) vbuf[u] = Vec(0.f);
@@ -844,27 +829,26 @@ void quest_scores_as(const QuestArgs& a, int64_t begin, int64_t end) {
         const int64_t n = std::min<int64_t>(4, g - i0);
         const float* qp = a.q_pos + (h * g + i0) * d;
         const float* qn = a.q_neg + (h * g + i0) * d;
-        if (!batched) {
-          float* r = bounds.data() + h * g + i0;
-          switch (n) {
-            case 4: group_bounds<4>(qp, qn, mn, mx, d, r); break;
-            case 3: group_bounds<3>(qp, qn, mn, mx, d, r); break;
-            case 2: group_bounds<2>(qp, qn, mn, mx, d, r); break;
-            default: group_bounds<1>(qp, qn, mn, mx, d, r); break;
-          }
-          continue;
-        }
         if (filled + n > kW) flush();
         switch (n) {
-          case 4: group_vectors<4>(qp, qn, mn, mx, d, d, vbuf + filled); break;
-          case 3: group_vectors<3>(qp, qn, mn, mx, d, d, vbuf + filled); break;
-          case 2: group_vectors<2>(qp, qn, mn, mx, d, d, vbuf + filled); break;
-          default: group_vectors<1>(qp, qn, mn, mx, d, d, vbuf + filled); break;
+          case 4: group_vectors<4>(qp, qn, mn, mx, d, dv, vbuf + filled); break;
+          case 3: group_vectors<3>(qp, qn, mn, mx, d, dv, vbuf + filled); break;
+          case 2: group_vectors<2>(qp, qn, mn, mx, d, dv, vbuf + filled); break;
+          default: group_vectors<1>(qp, qn, mn, mx, d, dv, vbuf + filled); break;
         }
         filled += n;
       }
     }
     if (filled > 0) flush();
+    for (int64_t h = 0; dv < d && h < kvh; ++h) {  // the scalar tail
+      for (int64_t u = 0; u < g; ++u) {
+        const float* qp = a.q_pos + (h * g + u) * d;
+        const float* qn = a.q_neg + (h * g + u) * d;
+        float& r = bounds[h * g + u];
+        for (int64_t t = dv; t < d; ++t)
+          r += qp[t] * static_cast<float>(mx_b[h * d + t]) + qn[t] * static_cast<float>(mn_b[h * d + t]);
+      }
+    }
     for (int64_t h = 0; h < kvh; ++h) {
       float best = -std::numeric_limits<float>::infinity();
       for (int64_t u = 0; u < g; ++u) {
