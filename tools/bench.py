@@ -65,6 +65,7 @@ NUM_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
+VLLM_CPU_BLOCK_SIZE = 128  # the block size vLLM gives an attention backend on CPU unless the user sets block_size
 DTYPES = ("float32", "bfloat16")  # model dtypes benchmarked (--dtypes)
 TILE_BLOCKS = 16  # ActiveKV's default tile (256 tokens)
 CONTEXTS = (2048, 8192, 16384, 32768)
@@ -75,13 +76,13 @@ COMPRESSED = {"mode": "compressed", "budget_tokens": 2048, "sink_blocks": 1, "re
 
 # Column headers (milliseconds per step); docs/benchmarks.md explains each.
 EXACT_POOL_ALL = "ActiveKV exact pool=all"
-EXACT_BLOCK_128 = "ActiveKV exact block 128 pool=all"
+EXACT_BLOCK_128 = f"ActiveKV exact block {VLLM_CPU_BLOCK_SIZE} pool=all"
 EXACT_POOL_QUARTER = "ActiveKV exact pool=1/4"
 EXACT_ATEN = "ActiveKV exact ATen path pool=all"
 COMPRESSED_COLUMN = "ActiveKV compressed 2048"
 COMPRESSED_ONE_UNION = "ActiveKV compressed 2048 pool=one union"
 CPU_ATTN_16 = "CPU_ATTN block 16"
-CPU_ATTN_128 = "CPU_ATTN block 128"
+CPU_ATTN_128 = f"CPU_ATTN block {VLLM_CPU_BLOCK_SIZE}"
 SDPA = "SDPA"
 COLUMNS = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN, COMPRESSED_COLUMN, COMPRESSED_ONE_UNION,
            CPU_ATTN_16, CPU_ATTN_128, SDPA)
@@ -313,7 +314,7 @@ def cpu_attn_isas(dtypes: Sequence[torch.dtype]) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     return ", ".join(f"{str(t).removeprefix('torch.')} {_get_attn_isa(t, 16, HEAD_SIZE, 'auto')} / "
-                     f"{_get_attn_isa(t, 128, HEAD_SIZE, 'auto')}" for t in dtypes)
+                     f"{_get_attn_isa(t, VLLM_CPU_BLOCK_SIZE, HEAD_SIZE, 'auto')}" for t in dtypes)
 
 
 def load_backend() -> tuple[Any | None, str]:
@@ -332,8 +333,8 @@ def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tup
     akv = backend is not None
     return {
         EXACT_POOL_ALL: (lambda: activekv_column(case, backend, exact_options(case, 1))) if akv else None,
-        EXACT_BLOCK_128: (lambda: activekv_column(case, backend, exact_options(case, 1, block_size=128), 128))
-        if akv else None,
+        EXACT_BLOCK_128: (lambda: activekv_column(case, backend, exact_options(case, 1, block_size=VLLM_CPU_BLOCK_SIZE),
+                                                  VLLM_CPU_BLOCK_SIZE)) if akv else None,
         EXACT_POOL_QUARTER: (lambda: activekv_column(case, backend, exact_options(case, 4))) if akv else None,
         EXACT_ATEN: (lambda: activekv_column(case, backend, exact_options(case, 1, "aten"))) if akv else None,
         COMPRESSED_COLUMN: (lambda: activekv_column(case, backend, COMPRESSED)) if akv else None,
@@ -341,13 +342,13 @@ def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tup
             case, backend, {**COMPRESSED, "pool_blocks": worst_case_union_blocks()}))
         if akv and case.batch > 1 else None,
         CPU_ATTN_16: lambda: cpu_attn_column(case, 16),
-        CPU_ATTN_128: lambda: cpu_attn_column(case, 128),
+        CPU_ATTN_128: lambda: cpu_attn_column(case, VLLM_CPU_BLOCK_SIZE),
         SDPA: lambda: sdpa_column(case),
     }
 
 
 def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequence[int], timing: Timing,
-        seed: int, rounds: int = 1) -> tuple[list[str], list[str], list[str], list[int]]:
+        seed: int, rounds: int) -> tuple[list[str], list[str], list[str], list[int]]:
     """Benchmark every (dtype, context, batch); returns (markdown table lines, compressed ratio table lines, exact vs
     CPU_ATTN ratio table lines, repetitions of every timed cell).
 
@@ -429,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap-s", type=float, default=8.0, help="stop a slow cell after this, once it has 3 reps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3,
-                        help="rounds per (dtype, context, batch), the columns taking turns in each")
+                        help=f"rounds per (dtype, context, batch), each column taking turns with {CPU_ATTN_128}")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     for n in args.contexts:
         if n % 128:
             parser.error(f"context {n} must be a multiple of 128 (whole blocks at block sizes 16 and 128)")
@@ -448,8 +451,6 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     timing = Timing(args.warmup, args.min_reps, args.max_reps, args.budget_s, args.cap_s)
     dtypes = [getattr(torch, name) for name in args.dtypes]
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     table, ratios, vs_cpu_attn, reps = run(dtypes, args.contexts, args.batches, timing, args.seed, args.rounds)
     elapsed = time.perf_counter() - started
     command = shlex.join(["python", "-m", "tools.bench", *(argv if argv is not None else sys.argv[1:])])
@@ -459,12 +460,12 @@ def main(argv: list[str] | None = None) -> int:
           f"python {platform.python_version()}")
     print(f"setup: decode (1 query token per row), {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head size "
           f"{HEAD_SIZE}, {' and '.join(args.dtypes)} (CPU_ATTN ISA {cpu_attn_isas(dtypes)}; ActiveKV CPU kernel "
-          f"{akv_capability}), ActiveKV block {BLOCK_SIZE} (and 128 where named) / tile {TILE_BLOCKS} "
-          f"blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink {COMPRESSED['sink_blocks']} / "
-          f"recent {COMPRESSED['recent_blocks']} / default pool batch x {worst_case_union_blocks()} blocks, "
-          f"{torch.get_num_threads()} threads; median ms per step of one layer after up to {args.warmup} "
-          f"warm-up steps, {min(reps)}-{max(reps)} reps per cell in {args.rounds} rounds (each column taking turns "
-          f"with {CPU_ATTN_128}); seed {args.seed}; run took {elapsed:.0f} s")
+          f"{akv_capability}), ActiveKV block {BLOCK_SIZE} (and {VLLM_CPU_BLOCK_SIZE} where named) / tile "
+          f"{TILE_BLOCKS} blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink "
+          f"{COMPRESSED['sink_blocks']} / recent {COMPRESSED['recent_blocks']} / default pool batch x "
+          f"{worst_case_union_blocks()} blocks, {torch.get_num_threads()} threads; median ms per step of one layer "
+          f"after up to {args.warmup} warm-up steps, {min(reps)}-{max(reps)} reps per cell in {args.rounds} rounds "
+          f"(each column taking turns with {CPU_ATTN_128}); seed {args.seed}; run took {elapsed:.0f} s")
     print()
     print("\n".join(table))
     if len(vs_cpu_attn) > 2:
