@@ -19,7 +19,10 @@ column:
   and `cache_config.num_gpu_blocks`; here the batch and the cache's block count, as vLLM would set them). Each
   decode row attends, per KV head, to its 128 selected blocks; a context within the budget (2k) runs as exact mode.
   At batch > 1 also with a pool of one row's union ("pool=one union", the default before it scaled with
-  max_num_seqs): rows whose unions do not fit together then evict each other's blocks every step.
+  max_num_seqs): rows whose unions do not fit together then evict each other's blocks every step. And at vLLM's CPU
+  default block size ("block 128": budget 16 blocks, the top 13 by Quest's bound, default pool 8 x 13 + 3 = 107
+  blocks per row), the block size a vLLM user of compressed mode gets without `block_size`; Quest's bound is then
+  kept per 128 tokens (a coarser choice: docs/quality.md measures quality at block 16).
 - vLLM CPU_ATTN (`torch.ops._C`, as vllm/v1/attention/backends/cpu_attn.py calls it): `get_scheduler_metadata`
   (its builder's per-step work), `cpu_attn_reshape_and_cache` of the new tokens, `cpu_attention_with_kv_cache`.
   At block 16 (ISA vec16, the same geometry as ActiveKV) and at block 128, vLLM's CPU default: vLLM's CPU_ATTN
@@ -29,11 +32,11 @@ column:
 Cells are median milliseconds per step. Every exact column's output is compared with SDPA's ("max diff (exact)": the
 largest absolute difference over those columns), so a fast but wrong path shows. Compressed mode is approximate by
 design, so its difference from SDPA is its own column ("compressed diff (approximate)": the largest absolute
-difference and the relative L2 error of the batch's output), not a correctness check: on these random keys
-attention is spread evenly, the case where top-k selection is known to lose most (docs/quality.md measures quality on
-a trained model). A second table gives each exact column's time over CPU_ATTN block 128's (vLLM's CPU default; the
-target is at most 1.0x) and CPU_ATTN block 128's over compressed mode's; a third the speed ratios of compressed mode
-(each pool) against the other columns.
+difference and the relative L2 error of the batch's output, block 16 / block 128), not a correctness check: on these
+random keys attention is spread evenly, the case where top-k selection is known to lose most (docs/quality.md
+measures quality on a trained model). A second table gives each exact column's time over CPU_ATTN block 128's (vLLM's
+CPU default; the target is at most 1.0x) and CPU_ATTN block 128's over compressed mode's at block 16 and 128; a third
+the speed ratios of compressed mode (each pool and block size) against the other columns.
 
 Timings: per (dtype, context, batch), CPU_ATTN block 128 (the anchor of the ratios against vLLM) is built first and
 kept; every other column is built, timed in `--rounds` rounds (default 3) taking turns with the anchor, and freed (so a
@@ -81,19 +84,24 @@ EXACT_POOL_QUARTER = "ActiveKV exact pool=1/4"
 EXACT_ATEN = "ActiveKV exact ATen path pool=all"
 COMPRESSED_COLUMN = "ActiveKV compressed 2048"
 COMPRESSED_ONE_UNION = "ActiveKV compressed 2048 pool=one union"
+COMPRESSED_BLOCK_128 = f"ActiveKV compressed 2048 block {VLLM_CPU_BLOCK_SIZE}"
 CPU_ATTN_16 = "CPU_ATTN block 16"
 CPU_ATTN_128 = f"CPU_ATTN block {VLLM_CPU_BLOCK_SIZE}"
 SDPA = "SDPA"
 COLUMNS = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN, COMPRESSED_COLUMN, COMPRESSED_ONE_UNION,
-           CPU_ATTN_16, CPU_ATTN_128, SDPA)
+           COMPRESSED_BLOCK_128, CPU_ATTN_16, CPU_ATTN_128, SDPA)
 # Columns whose output must equal attention over the whole context (within float32 rounding).
 EXACT_COLUMNS = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN, CPU_ATTN_16, CPU_ATTN_128)
 # Speed ratios reported per row and compressed column: (column / compressed). Above 1: compressed is that many times
 # faster.
 RATIO_COLUMNS = (CPU_ATTN_16, CPU_ATTN_128, EXACT_POOL_ALL, SDPA)
 # Issue 9's ratios: ActiveKV exact columns against vLLM's CPU default (at most 1.0x is the target), and CPU_ATTN
-# against compressed mode (above 1: compressed is faster).
+# against compressed mode at block 16 and 128 (above 1: compressed is faster).
 VS_CPU_ATTN = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN)
+COMPRESSED_VS_CPU_ATTN = (COMPRESSED_COLUMN, COMPRESSED_BLOCK_128)
+# Compressed columns of the speed ratio table, with the label of their pool.
+COMPRESSED_VARIANTS = ((COMPRESSED_COLUMN, "default"), (COMPRESSED_ONE_UNION, "one union"),
+                       (COMPRESSED_BLOCK_128, f"default, block {VLLM_CPU_BLOCK_SIZE}"))
 SAME_AS_DEFAULT = "= default"  # pool=one union at batch 1 is the default pool
 
 
@@ -291,10 +299,11 @@ def exact_options(case: Case, pool_fraction: int, kernel: str = "native",
     return {"mode": "exact", "pool_blocks": max(TILE_BLOCKS, num_blocks // pool_fraction), "kernel": kernel}
 
 
-def worst_case_union_blocks() -> int:
-    """One row's worst-case union of selections: num_kv_heads * k + sink + recent blocks, k = budget blocks - sink -
-    recent (compressed mode's default pool is this per scheduler row, capped at the KV cache's blocks)."""
-    k = COMPRESSED["budget_tokens"] // BLOCK_SIZE - COMPRESSED["sink_blocks"] - COMPRESSED["recent_blocks"]
+def worst_case_union_blocks(block_size: int = BLOCK_SIZE) -> int:
+    """One row's worst-case union of selections at `block_size`: num_kv_heads * k + sink + recent blocks, k = budget
+    blocks - sink - recent (compressed mode's default pool is this per scheduler row, capped at the KV cache's
+    blocks)."""
+    k = COMPRESSED["budget_tokens"] // block_size - COMPRESSED["sink_blocks"] - COMPRESSED["recent_blocks"]
     return NUM_KV_HEADS * k + COMPRESSED["sink_blocks"] + COMPRESSED["recent_blocks"]
 
 
@@ -341,6 +350,8 @@ def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tup
         COMPRESSED_ONE_UNION: (lambda: activekv_column(
             case, backend, {**COMPRESSED, "pool_blocks": worst_case_union_blocks()}))
         if akv and case.batch > 1 else None,
+        COMPRESSED_BLOCK_128: (lambda: activekv_column(case, backend, COMPRESSED, VLLM_CPU_BLOCK_SIZE))
+        if akv else None,
         CPU_ATTN_16: lambda: cpu_attn_column(case, 16),
         CPU_ATTN_128: lambda: cpu_attn_column(case, VLLM_CPU_BLOCK_SIZE),
         SDPA: lambda: sdpa_column(case),
@@ -364,7 +375,7 @@ def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequenc
     ratio_header = ["dtype", "context", "batch", "compressed pool", *(f"{c} / compressed" for c in RATIO_COLUMNS)]
     ratio_lines = ["| " + " | ".join(ratio_header) + " |", "|" + "---|" * len(ratio_header)]
     vs_header = ["dtype", "context", "batch", *(f"{c} / {CPU_ATTN_128}" for c in VS_CPU_ATTN),
-                 f"{CPU_ATTN_128} / {COMPRESSED_COLUMN}"]
+                 *(f"{CPU_ATTN_128} / {c}" for c in COMPRESSED_VS_CPU_ATTN)]
     vs_lines = ["| " + " | ".join(vs_header) + " |", "|" + "---|" * len(vs_header)]
     reps: list[int] = []
     for dtype, context, batch in ((t, c, b) for t in dtypes for c in contexts for b in batches):
@@ -397,21 +408,23 @@ def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequenc
             return (outputs[name] - reference).abs().max().item()
 
         worst = max(diff(name) for name in EXACT_COLUMNS if name in outputs)
-        compressed = MISSING
-        if COMPRESSED_COLUMN in outputs:
-            rel = ((outputs[COMPRESSED_COLUMN] - reference).norm() / reference.norm()).item()
-            compressed = f"max {diff(COMPRESSED_COLUMN):.1e}, rel {rel:.1e}"
+        compressed = []
+        for name in COMPRESSED_VS_CPU_ATTN:
+            if name in outputs:
+                rel = ((outputs[name] - reference).norm() / reference.norm()).item()
+                compressed.append(f"max {diff(name):.1e}, rel {rel:.1e}")
+        compressed = " / ".join(compressed) or MISSING
         missing = {name: SAME_AS_DEFAULT if name == COMPRESSED_ONE_UNION and backend is not None else MISSING
                    for name in COLUMNS}
         cells = [f"{ms[name]:.2f}" if name in ms else missing[name] for name in COLUMNS]
         label = f"| {str(dtype).removeprefix('torch.')} | {context // 1024}k | {batch} | "
         lines.append(label + " | ".join(cells) + f" | {worst:.1e} | {compressed} |")
-        for variant, pool in ((COMPRESSED_COLUMN, "default"), (COMPRESSED_ONE_UNION, "one union")):
+        for variant, pool in COMPRESSED_VARIANTS:
             if variant in ms:
                 ratios = [f"{ms[name] / ms[variant]:.2f}x" for name in RATIO_COLUMNS]
                 ratio_lines.append(label + f"{pool} | " + " | ".join(ratios) + " |")
         vs = [f"{ms[name] / paired[name]:.2f}x" if name in ms else MISSING for name in VS_CPU_ATTN]
-        vs.append(f"{paired[COMPRESSED_COLUMN] / ms[COMPRESSED_COLUMN]:.2f}x" if COMPRESSED_COLUMN in ms else MISSING)
+        vs += [f"{paired[name] / ms[name]:.2f}x" if name in ms else MISSING for name in COMPRESSED_VS_CPU_ATTN]
         vs_lines.append(label + " | ".join(vs) + " |")
         del case, outputs, reference
     return lines, ratio_lines, vs_lines, reps
@@ -463,15 +476,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{akv_capability}), ActiveKV block {BLOCK_SIZE} (and {VLLM_CPU_BLOCK_SIZE} where named) / tile "
           f"{TILE_BLOCKS} blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink "
           f"{COMPRESSED['sink_blocks']} / recent {COMPRESSED['recent_blocks']} / default pool batch x "
-          f"{worst_case_union_blocks()} blocks, {torch.get_num_threads()} threads; median ms per step of one layer "
-          f"after up to {args.warmup} warm-up steps, {min(reps)}-{max(reps)} reps per cell in {args.rounds} rounds "
-          f"(each column taking turns with {CPU_ATTN_128}); seed {args.seed}; run took {elapsed:.0f} s")
+          f"{worst_case_union_blocks()} blocks (block {VLLM_CPU_BLOCK_SIZE}: "
+          f"{worst_case_union_blocks(VLLM_CPU_BLOCK_SIZE)}), {torch.get_num_threads()} threads; median ms per step of "
+          f"one layer after up to {args.warmup} warm-up steps, {min(reps)}-{max(reps)} reps per cell in {args.rounds} "
+          f"rounds (each column taking turns with {CPU_ATTN_128}); seed {args.seed}; run took {elapsed:.0f} s")
     print()
     print("\n".join(table))
     if len(vs_cpu_attn) > 2:
         print()
         print(f"ActiveKV exact against vLLM's CPU default (column's ms / {CPU_ATTN_128} ms; at most 1.00x: as fast "
-              f"or faster), and {CPU_ATTN_128} / compressed (above 1: compressed is faster):")
+              f"or faster), and {CPU_ATTN_128} / compressed at block 16 and {VLLM_CPU_BLOCK_SIZE} (above 1: compressed "
+              f"is faster):")
         print()
         print("\n".join(vs_cpu_attn))
     if len(ratios) > 2:
