@@ -140,28 +140,54 @@ inline void score_keys(const float* q, const T* k, int64_t d, int64_t n, float s
 
 #if defined(CPU_CAPABILITY_AVX512)
 // bfloat16 K with AVX512-BF16 (`vdpbf16ps`: per float lane, two bfloat16 products added to the accumulator): the
-// query row q_bf16 is the float32 row rounded back to bfloat16, exact because it was widened from the model's
-// bfloat16; K is read as stored, with no widening pass. Per key, head_size / 32 instructions instead of head_size / 16
-// widenings and fused multiply-adds. Used when the processor has the extension (has_bf16_dot), else score_keys.
-// Same result as score_keys up to float32 rounding (each instruction rounds its two products' sum).
-__attribute__((target("avx512bf16"))) void score_keys_bf16_dot(const at::BFloat16* q_bf16, const at::BFloat16* k,
-                                                                int64_t d, float scale, float* out) {
-  __m512 acc[16];
-  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 32 <= d; j += 32) {
-    const auto qv = (__m512bh)_mm512_loadu_si512(q_bf16 + j);
-    for (int t = 0; t < 16; ++t) acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(k + t * d + j));
-  }
-  if (j < d) {  // head sizes 80, 112, ...: 16 values left, the upper half zero
-    const auto qv = (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q_bf16 + j)));
-    for (int t = 0; t < 16; ++t) {
-      const auto kv = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + t * d + j)));
-      acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)kv);
+// query rows q_bf16 are the float32 rows rounded back to bfloat16, exact because they were widened from the model's
+// bfloat16; K is read as stored, with no widening pass. Per key and row, head_size / 32 instructions instead of
+// head_size / 16 widenings and fused multiply-adds. Used when the processor has the extension (has_bf16_dot), else
+// score_keys. Same result as score_keys up to float32 rounding (each instruction rounds its two products' sum).
+// Scores of 16 consecutive keys, all visible, for RB consecutive query rows (row stride head_size) at once, as
+// score_keys_rows does for float32: out[i * ld + t] = scale * (q_i . k_t); each of a key's 32-value pieces of K is
+// loaded once for the RB rows, 16 / RB keys per pass, their 16 dot products summed by one lane_sums. Per dot product
+// the same instructions in the same order for every RB (RB = 1: one row, its 16 scores scaled as one vector), so
+// the rows' scores do not depend on how many rows are scored together. head_size a multiple of 16.
+template <int RB>
+__attribute__((target("avx512bf16"))) void score_keys_bf16_rows(const at::BFloat16* q_bf16, const at::BFloat16* k,
+                                                                 int64_t d, float scale, float* out, int64_t ld) {
+  static_assert(16 % RB == 0, "the rows must divide the keys scored together");
+  constexpr int KP = 16 / RB;
+  for (int p = 0; p < RB; ++p) {
+    const at::BFloat16* kp = k + p * KP * d;
+    __m512 acc[16];
+    for (int x = 0; x < 16; ++x) acc[x] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= d; j += 32) {
+      __m512bh qv[RB];
+      for (int i = 0; i < RB; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q_bf16 + i * d + j);
+      for (int t = 0; t < KP; ++t) {
+        const auto kv = (__m512bh)_mm512_loadu_si512(kp + t * d + j);
+        for (int i = 0; i < RB; ++i) acc[i * KP + t] = _mm512_dpbf16_ps(acc[i * KP + t], qv[i], kv);
+      }
+    }
+    if (j < d) {  // head sizes 80, 112, ...: 16 values left, the upper half zero
+      __m512bh qv[RB];
+      for (int i = 0; i < RB; ++i)
+        qv[i] = (__m512bh)_mm512_zextsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q_bf16 + i * d + j)));
+      for (int t = 0; t < KP; ++t) {
+        const auto kv = (__m512bh)_mm512_zextsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + t * d + j)));
+        for (int i = 0; i < RB; ++i) acc[i * KP + t] = _mm512_dpbf16_ps(acc[i * KP + t], qv[i], kv);
+      }
+    }
+    if constexpr (RB == 1) {
+      lane_sums(acc, out);
+      _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_loadu_ps(out), _mm512_set1_ps(scale)));
+    } else {
+      alignas(64) float sums[16];
+      lane_sums(acc, sums);
+      for (int i = 0; i < RB; ++i)
+        for (int t = 0; t < KP; ++t) out[i * ld + p * KP + t] = sums[i * KP + t] * scale;
     }
   }
-  lane_sums(acc, out);
-  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_loadu_ps(out), _mm512_set1_ps(scale)));
 }
 
 // Whether the processor has AVX512-BF16 (asked once; __builtin_cpu_init first, as a static initializer may run before
@@ -353,15 +379,25 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   for (int64_t c = 0; c < cb; ++c) {
     const T* k = static_cast<const T*>(a.kv[c0 + c]);
     ask_next_block(a, c0 + c, k_bytes);
-    // Groups of kW keys every row sees, scored for the RB rows together (K loaded once for them), where the rows
-    // divide kW and K is not scored by AVX512-BF16 dot products; the rest row by row.
+    // Groups of kW keys every row sees, scored for the RB rows together (K loaded once for them; by AVX512-BF16 dot
+    // products where q_bf16 is given, else as float32), where the rows divide kW; the rest row by row.
     int64_t shared = 0;
     if constexpr (RB > 1 && kW % RB == 0) {
-      if (d % kW == 0 && !(std::is_same_v<T, at::BFloat16> && q_bf16 != nullptr)) {
+      const bool bf16_dot = std::is_same_v<T, at::BFloat16> && q_bf16 != nullptr;  // head size a multiple of 16
+      if (bf16_dot || d % kW == 0) {
         int64_t nmin = bs;
         for (int i = 0; i < RB; ++i) nmin = std::min(nmin, valid[i * cb + c]);
-        for (; shared + kW <= nmin; shared += kW)
+        for (; shared + kW <= nmin; shared += kW) {
+#if defined(CPU_CAPABILITY_AVX512)
+          if constexpr (std::is_same_v<T, at::BFloat16>) {
+            if (bf16_dot) {
+              score_keys_bf16_rows<RB>(q_bf16 + r0 * d, k + shared * d, d, scale, s + c * bs + shared, nk);
+              continue;
+            }
+          }
+#endif
           score_keys_rows<T, RB>(a.q + r0 * d, k + shared * d, d, scale, s + c * bs + shared, nk);
+        }
       }
     }
     for (int i = 0; i < RB; ++i) {
@@ -371,7 +407,7 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         if (q_bf16 != nullptr) {  // whole groups of 16 keys (16 floats of out each)
-          for (; t + kW <= n; t += kW) score_keys_bf16_dot(q_bf16 + (r0 + i) * d, k + t * d, d, scale, si + t);
+          for (; t + kW <= n; t += kW) score_keys_bf16_rows<1>(q_bf16 + (r0 + i) * d, k + t * d, d, scale, si + t, 0);
         }
       }
 #endif
@@ -743,7 +779,7 @@ void attend(const AttendArgs& a) {
 
 bool uses_bf16_query(int64_t head_size) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return has_bf16_dot() && head_size % 16 == 0;  // score_keys_bf16_dot's tail handles 16 values
+  return has_bf16_dot() && head_size % 16 == 0;  // score_keys_bf16_rows' tail handles 16 values
 #else
   (void)head_size;
   return false;
