@@ -2,13 +2,13 @@
 time grouped into admission, transfer, KV update, kernel, ATen, OpenMP runtime, Python/pybind11 boundary, OS.
 
 `python -m tools.profile_native [--context N] [--batch B] [--mode exact|compressed] [--pool-fraction F]
-[--dtype float32|bfloat16] [--threads T] [--reps R]` (what `make profile` runs). The step is the benchmark's
-(`tools/bench.py` activekv_column: 32 query heads, 8 KV heads, head size 128, block 16, tile 16 blocks, the
-Builder/Impl calls vLLM's patched backend makes: build, KV update of the new token, forward). A child process sets the step up, runs `--reps`
-steps, and `perf record -e cpu-clock` samples it (a software clock: it works in virtual machines without hardware
-counters), enabled through `perf record --control` only for the steps (after set-up and one warm-up step, before
-teardown). Self time
-per symbol, grouped by the first matching pattern of GROUPS. Needs `perf` (Debian: linux-perf) and
+[--dtype float32|bfloat16] [--block-size 16|128|...] [--threads T] [--reps R]` (what `make profile` runs). The step
+is the benchmark's (`tools/bench.py` activekv_column: 32 query heads, 8 KV heads, head size 128, block 16 unless
+`--block-size` says otherwise (128: vLLM's CPU default), tile 16 blocks, the Builder/Impl calls vLLM's patched
+backend makes: build, KV update of the new token, forward). A child process sets the step up, runs `--reps` steps,
+and `perf record -e cpu-clock` samples it (a software clock: it works in virtual machines without hardware counters),
+enabled through `perf record --control` only for the steps (after set-up and one warm-up step, before teardown).
+Self time per symbol, grouped by the first matching pattern of GROUPS. Needs `perf` (Debian: linux-perf) and
 `kernel.perf_event_paranoid` <= 2. A profile, not a timing: on a loaded machine memory-bound code takes a larger share.
 """
 
@@ -45,15 +45,17 @@ torch.set_num_threads(int(sys.argv[1]))
 import activekv._backend as backend
 from tools.bench import COMPRESSED, activekv_column, exact_options, make_case
 context, batch, mode, fraction = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+block_size = int(sys.argv[7])
 case = make_case(context, batch, 0, getattr(torch, sys.argv[6]))
-step, _ = activekv_column(case, backend, exact_options(case, fraction) if mode == "exact" else dict(COMPRESSED))
+options = exact_options(case, fraction, block_size=block_size) if mode == "exact" else dict(COMPRESSED)
+step, _ = activekv_column(case, backend, options, block_size)
 step()  # warm-up: fills the pool
 import gc
 gc.freeze()  # as vLLM does after start-up: the cyclic GC would otherwise rescan torch's objects during the steps
-with open(sys.argv[8], "w") as ctl:  # perf record --control: sample the steps only, not set-up or teardown
+with open(sys.argv[9], "w") as ctl:  # perf record --control: sample the steps only, not set-up or teardown
     ctl.write("enable\n")
     ctl.flush()
-    for _ in range(int(sys.argv[7])):
+    for _ in range(int(sys.argv[8])):
         step()
     ctl.write("disable\n")
     ctl.flush()
@@ -92,17 +94,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mode", choices=("exact", "compressed"), default="exact")
     parser.add_argument("--pool-fraction", type=int, default=1, help="exact mode: pool = blocks read per step / F")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM's CPU default: 128)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args(argv)
+    if args.block_size < 1 or args.context % args.block_size:
+        parser.error(f"--context {args.context} must be a positive multiple of --block-size {args.block_size}")
     if shutil.which("perf") is None:
         parser.error("perf not found (Debian package linux-perf)")
-    common = [str(args.threads), str(args.context), str(args.batch), args.mode, str(args.pool_fraction), args.dtype]
+    common = [str(args.threads), str(args.context), str(args.batch), args.mode, str(args.pool_fraction), args.dtype,
+              str(args.block_size)]
     with tempfile.TemporaryDirectory() as tmp:
         rows, total = perf_groups([*common, str(args.reps)], Path(tmp))
     step_total = sum(rows.values())
     print(f"command: `python -m tools.profile_native {' '.join(argv if argv is not None else sys.argv[1:])}`")
-    print(f"{args.mode} mode, {args.dtype}, context {args.context}, batch {args.batch}, "
+    print(f"{args.mode} mode, {args.dtype}, context {args.context}, batch {args.batch}, block {args.block_size}, "
           f"{'pool 1/' + str(args.pool_fraction) if args.mode == 'exact' else 'default pool'}, {args.threads} threads, "
           f"{args.reps} steps after one warm-up; {total} cpu-clock samples over all threads, steps only")
     print()
