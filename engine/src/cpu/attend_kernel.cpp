@@ -83,6 +83,23 @@ inline void lane_sums(const Vec* v, float* out) {
 }
 #endif
 
+// One pass of a group's scores: the kW accumulators of KP = kW / RB keys for RB query rows (acc[i * KP + t]), each
+// summed across its lanes by one lane_sums, scaled and stored at out[i * ld + p * KP + t]. One row's kW scores
+// (RB = 1) are contiguous and scaled as one vector. The float32 and the AVX512-BF16 scorers both end with this.
+template <int RB, typename V>
+inline void store_scores(const V* acc, int p, float scale, float* out, int64_t ld) {
+  constexpr int KP = kW / RB;
+  if constexpr (RB == 1) {
+    lane_sums(acc, out);
+    (Vec::loadu(out) * Vec(scale)).store(out);
+  } else {
+    alignas(64) float sums[kW];
+    lane_sums(acc, sums);
+    for (int i = 0; i < RB; ++i)
+      for (int t = 0; t < KP; ++t) out[i * ld + p * KP + t] = sums[i * KP + t] * scale;
+  }
+}
+
 // Scores of kW consecutive keys, all of them visible, for RB consecutive query rows at once (RB divides kW):
 // out[i * ld + t] = scale * (q_i . k_t). Each of a key's vectors of K is loaded once for the RB rows, where
 // score_keys loads it once per row; kW / RB keys per pass, whose RB * kW / RB dot products accumulate in kW
@@ -103,26 +120,17 @@ inline void score_keys_rows(const float* q, const T* k, int64_t d, float scale, 
         for (int i = 0; i < RB; ++i) acc[i * KP + t] = at::vec::fmadd(qv[i], kv, acc[i * KP + t]);
       }
     }
-    if constexpr (RB == 1) {  // one row's kW scores are contiguous: scaled as one vector
-      lane_sums(acc, out);
-      (Vec::loadu(out) * Vec(scale)).store(out);
-    } else {
-      alignas(64) float sums[kW];
-      lane_sums(acc, sums);
-      for (int i = 0; i < RB; ++i)
-        for (int t = 0; t < KP; ++t) out[i * ld + p * KP + t] = sums[i * KP + t] * scale;
-    }
+    store_scores<RB>(acc, p, scale, out, ld);
   }
 }
 
-// Scores of n <= kW consecutive keys (rows of k, stride d) for one query row: out[t] = scale * (q . k_t), t < n. The
-// row's vector of q is loaded once per kW keys; the dot products accumulate in kW registers, summed by lane_sums. A
-// full group of kW keys of a head size that is a multiple of kW is score_keys_rows for one row; otherwise the same
-// accumulation over the keys given, and a head size that is not a multiple of kW ends with a scalar tail.
+// Scores of n <= kW consecutive keys (rows of k, stride d) for one query row: out[t] = scale * (q . k_t), t < n: the
+// groups score_group does not take (fewer than kW keys, or a head size off the vector width). The row's vector of q
+// is loaded once per kW keys; the dot products accumulate in kW registers, summed by lane_sums, the same per dot
+// product as score_keys_rows; a head size that is not a multiple of kW ends with a scalar tail.
 template <typename T>
 inline void score_keys(const float* q, const T* k, int64_t d, int64_t n, float scale, float* out) {
   const int64_t dv = d - d % kW;
-  if (n == kW && dv == d) return score_keys_rows<T, 1>(q, k, d, scale, out, 0);
   Vec acc[kW];
   for (int t = 0; t < kW; ++t) acc[t] = Vec(0.f);
   for (int64_t j = 0; j < dv; j += kW) {
@@ -139,6 +147,12 @@ inline void score_keys(const float* q, const T* k, int64_t d, int64_t n, float s
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
+// 32 bfloat16 values at p as vdpbf16ps' pairs; with half, 16 values and the upper half zero.
+__attribute__((target("avx512bf16"))) inline __m512bh bf16_piece(const at::BFloat16* p, bool half) {
+  return half ? (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+              : (__m512bh)_mm512_loadu_si512(p);
+}
+
 // bfloat16 K with AVX512-BF16 (`vdpbf16ps`: per float lane, two bfloat16 products added to the accumulator): the
 // query rows q_bf16 are the float32 rows rounded back to bfloat16, exact because they were widened from the model's
 // bfloat16; K is read as stored, with no widening pass. Per key and row, head_size / 32 instructions instead of
@@ -158,35 +172,16 @@ __attribute__((target("avx512bf16"))) void score_keys_bf16_rows(const at::BFloat
     const at::BFloat16* kp = k + p * KP * d;
     __m512 acc[16];
     for (int x = 0; x < 16; ++x) acc[x] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 32 <= d; j += 32) {
+    for (int64_t j = 0; j < d; j += 32) {
+      const bool half = j + 32 > d;  // head sizes 80, 112, ...: a last piece of 16 values
       __m512bh qv[RB];
-      for (int i = 0; i < RB; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q_bf16 + i * d + j);
+      for (int i = 0; i < RB; ++i) qv[i] = bf16_piece(q_bf16 + i * d + j, half);
       for (int t = 0; t < KP; ++t) {
-        const auto kv = (__m512bh)_mm512_loadu_si512(kp + t * d + j);
+        const __m512bh kv = bf16_piece(kp + t * d + j, half);
         for (int i = 0; i < RB; ++i) acc[i * KP + t] = _mm512_dpbf16_ps(acc[i * KP + t], qv[i], kv);
       }
     }
-    if (j < d) {  // head sizes 80, 112, ...: 16 values left, the upper half zero
-      __m512bh qv[RB];
-      for (int i = 0; i < RB; ++i)
-        qv[i] = (__m512bh)_mm512_zextsi256_si512(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q_bf16 + i * d + j)));
-      for (int t = 0; t < KP; ++t) {
-        const auto kv = (__m512bh)_mm512_zextsi256_si512(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kp + t * d + j)));
-        for (int i = 0; i < RB; ++i) acc[i * KP + t] = _mm512_dpbf16_ps(acc[i * KP + t], qv[i], kv);
-      }
-    }
-    if constexpr (RB == 1) {
-      lane_sums(acc, out);
-      _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_loadu_ps(out), _mm512_set1_ps(scale)));
-    } else {
-      alignas(64) float sums[16];
-      lane_sums(acc, sums);
-      for (int i = 0; i < RB; ++i)
-        for (int t = 0; t < KP; ++t) out[i * ld + p * KP + t] = sums[i * KP + t] * scale;
-    }
+    store_scores<RB>(acc, p, scale, out, ld);
   }
 }
 
@@ -214,6 +209,21 @@ bool amx_ready() {
   return yes;
 }
 #endif
+
+// Scores of kW consecutive keys that the RB consecutive query rows r0 .. r0 + RB - 1 all see, into out[i * ld + t]:
+// by AVX512-BF16 dot products against q_bf16 where it is given (bfloat16 K), else against the float32 rows (head size
+// a multiple of kW). The one scorer of whole groups, for the rows together and for each row alone.
+template <typename T, int RB>
+inline void score_group(const AttendArgs& a, const at::BFloat16* q_bf16, int64_t r0, const T* k, float scale,
+                        float* out, int64_t ld) {
+  const int64_t d = a.head_size;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (q_bf16 != nullptr) return score_keys_bf16_rows<RB>(q_bf16 + r0 * d, k, d, scale, out, ld);
+  }
+#endif
+  score_keys_rows<T, RB>(a.q + r0 * d, k, d, scale, out, ld);
+}
 
 // Ask for the cache lines of [p, p + bytes) ahead of use. A block's K and V of one head are a few KiB (4 KiB at
 // block 16 and head size 32 in float32), read one after another from slots spread over the pool: the hardware's stream
@@ -374,43 +384,32 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   for (int i = 0; i < RB; ++i)
     for (int64_t c = 0; c < cb; ++c) any += valid[i * cb + c] = valid_keys(a, r0 + i, a.block_pos[c0 + c] * bs);
   if (any == 0) return;  // a prefill row group before this chunk: nothing to merge
-  // Scores, block by block so the block's K stays in L1 across the rows; keys past a row's limit become -inf.
+  // Scores, block by block so the block's K stays in L1 across the rows; keys past a row's limit become -inf. Whole
+  // groups of kW keys go to score_group: every head size with AVX512-BF16 dot products (q_bf16 is given only for head
+  // sizes that are multiples of 16 = kW), else head sizes that are multiples of kW.
+  const bool whole_groups = q_bf16 != nullptr || d % kW == 0;
   const int64_t k_bytes = bs * d * static_cast<int64_t>(sizeof(T));
   for (int64_t c = 0; c < cb; ++c) {
     const T* k = static_cast<const T*>(a.kv[c0 + c]);
     ask_next_block(a, c0 + c, k_bytes);
-    // Groups of kW keys every row sees, scored for the RB rows together (K loaded once for them; by AVX512-BF16 dot
-    // products where q_bf16 is given, else as float32), where the rows divide kW; the rest row by row.
+    // Groups of kW keys every row sees, scored for the RB rows together (K loaded once for them) where the rows divide
+    // kW; then each row's other whole groups alone, and its partial group (or every group of a head size off the
+    // vector width without AVX512-BF16) by score_keys.
     int64_t shared = 0;
     if constexpr (RB > 1 && kW % RB == 0) {
-      const bool bf16_dot = std::is_same_v<T, at::BFloat16> && q_bf16 != nullptr;  // head size a multiple of 16
-      if (bf16_dot || d % kW == 0) {
+      if (whole_groups) {
         int64_t nmin = bs;
         for (int i = 0; i < RB; ++i) nmin = std::min(nmin, valid[i * cb + c]);
-        for (; shared + kW <= nmin; shared += kW) {
-#if defined(CPU_CAPABILITY_AVX512)
-          if constexpr (std::is_same_v<T, at::BFloat16>) {
-            if (bf16_dot) {
-              score_keys_bf16_rows<RB>(q_bf16 + r0 * d, k + shared * d, d, scale, s + c * bs + shared, nk);
-              continue;
-            }
-          }
-#endif
-          score_keys_rows<T, RB>(a.q + r0 * d, k + shared * d, d, scale, s + c * bs + shared, nk);
-        }
+        for (; shared + kW <= nmin; shared += kW)
+          score_group<T, RB>(a, q_bf16, r0, k + shared * d, scale, s + c * bs + shared, nk);
       }
     }
     for (int i = 0; i < RB; ++i) {
       float* si = s + i * nk + c * bs;
       const int64_t n = valid[i * cb + c];
       int64_t t = shared;
-#if defined(CPU_CAPABILITY_AVX512)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        if (q_bf16 != nullptr) {  // whole groups of 16 keys (16 floats of out each)
-          for (; t + kW <= n; t += kW) score_keys_bf16_rows<1>(q_bf16 + (r0 + i) * d, k + t * d, d, scale, si + t, 0);
-        }
-      }
-#endif
+      if (whole_groups)
+        for (; t + kW <= n; t += kW) score_group<T, 1>(a, q_bf16, r0 + i, k + t * d, scale, si + t, 0);
       for (; t < n; t += kW) score_keys(a.q + (r0 + i) * d, k + t * d, d, std::min<int64_t>(kW, n - t), scale, si + t);
       for (t = n; t < bs; ++t) si[t] = kNegInf;
     }
