@@ -99,6 +99,36 @@ def test_warmup_forward_without_metadata_leaves_output_untouched(builder: backen
     assert snap["forward_skipped"] == 1 and snap["forward_calls"] == 0
 
 
+def test_forward_without_metadata_before_any_builder_is_a_no_op() -> None:
+    """vLLM's compiled mode warms the model up (profile_run) before initialize_kv_cache creates any metadata builder:
+    the forward arrives with no metadata, an empty KV cache and no engine serving the layer. By the backend contract
+    (vLLM's cpu_attn.py returns output untouched) that is a no-op, not an error."""
+    impl = backend.Impl(H, D, 0.1, KVH)
+    out = torch.full((3, H, D), 5.0)
+    q = torch.randn(3, H, D)
+    layer = SimpleNamespace(layer_name="model.layers.0.before_any_builder")
+    assert impl.forward(layer, q, q, q, torch.tensor([]), None, out) is out
+    assert torch.equal(out, torch.full((3, H, D), 5.0))
+
+
+def test_forward_without_metadata_counts_only_on_the_engine_its_cache_identifies() -> None:
+    """A second LLM's warm-up in a process whose first LLM's engine is alive (same layer names): the warm-up forward
+    belongs to no engine yet, so the first engine's telemetry does not move; once its own builder exists and binds
+    the cache, a forward without metadata on that cache counts on that engine alone."""
+    names = ["test.forward_skipped.0", "test.forward_skipped.1"]  # no other test's engine serves these names
+    opts = vllm_config({"pool_blocks": 3, "tile_blocks": 1})
+    impl = backend.Impl(H, D, D ** -0.5, KVH)
+    layer, q, kv = SimpleNamespace(layer_name=names[0]), torch.randn(1, H, D), torch.randn(2, KVH, D)
+    first, cache_a = backend.Builder(spec(), names, opts, torch.device("cpu")), torch.zeros(8, KVH, BS, 2 * D)
+    impl.do_kv_cache_update(layer, kv, kv, cache_a, torch.arange(2))  # binds the first engine's layer to cache_a
+    impl.forward(layer, q, q, q, torch.tensor([]), None, torch.zeros(1, H, D))
+    assert first.engine.snapshot()["forward_skipped"] == 0
+    second = backend.Builder(spec(), names, opts, torch.device("cpu"))
+    impl.forward(layer, q, q, q, torch.zeros(8, KVH, BS, 2 * D), None, torch.zeros(1, H, D))  # unbound: the second
+    impl.forward(layer, q, q, q, cache_a, None, torch.zeros(1, H, D))  # cache_a: the first
+    assert first.engine.snapshot()["forward_skipped"] == 1 and second.engine.snapshot()["forward_skipped"] == 1
+
+
 @pytest.mark.parametrize(("options", "exc", "match"), [
     ({"pool_blocks": 4, "bogus": 1}, ValueError, "unknown ActiveKV option.*bogus"),
     ({"mode": "sparse"}, ValueError, "mode must be 'exact' or 'compressed', got 'sparse'"),

@@ -57,11 +57,10 @@ std::vector<std::shared_ptr<Engine>> live_engines_for(const std::string& name) {
   return out;
 }
 
-std::shared_ptr<Engine> engine_for_layer(const std::string& name, const at::Tensor& kv_cache) {
-  auto engines = live_engines_for(name);
-  TORCH_CHECK_VALUE(!engines.empty(), "no ActiveKV engine serves layer '", name,
-                    "': the ActiveKV metadata builder for its KV-cache group was not created or was released");
-  if (engines.size() == 1) return engines.front();
+// Among several live engines for one layer name, the one this KV cache identifies: the engine whose layer is bound
+// to this very tensor, else the one engine whose layer is still unbound; nullptr when neither names exactly one.
+std::shared_ptr<Engine> identified_by_cache(const std::vector<std::shared_ptr<Engine>>& engines,
+                                            const std::string& name, const at::Tensor& kv_cache) {
   std::shared_ptr<Engine> bound, unbound;
   int64_t n_bound = 0, n_unbound = 0;
   for (auto& e : engines) {
@@ -75,9 +74,19 @@ std::shared_ptr<Engine> engine_for_layer(const std::string& name, const at::Tens
     }
   }
   if (n_bound == 1) return bound;
-  TORCH_CHECK(n_bound == 0 && n_unbound == 1, "layer '", name, "' is served by ", engines.size(),
+  if (n_bound == 0 && n_unbound == 1) return unbound;
+  return nullptr;
+}
+
+std::shared_ptr<Engine> engine_for_layer(const std::string& name, const at::Tensor& kv_cache) {
+  auto engines = live_engines_for(name);
+  TORCH_CHECK_VALUE(!engines.empty(), "no ActiveKV engine serves layer '", name,
+                    "': the ActiveKV metadata builder for its KV-cache group was not created or was released");
+  if (engines.size() == 1) return engines.front();
+  auto engine = identified_by_cache(engines, name, kv_cache);
+  TORCH_CHECK(engine, "layer '", name, "' is served by ", engines.size(),
               " live ActiveKV engines and this KV cache does not identify one of them");
-  return unbound;
+  return engine;
 }
 
 void register_layers(const std::shared_ptr<Engine>& engine, const std::vector<std::string>& names) {
@@ -619,8 +628,13 @@ PYBIND11_MODULE(_backend, m) {
             TORCH_CHECK_NOT_IMPLEMENTED(output_scale.is_none() && output_block_scale.is_none(),
                                         "ActiveKV does not support fused output quantization");
             const std::string name = layer_name(layer);
-            if (attn_metadata.is_none()) {  // vLLM warm-up / profiling run: leave output untouched
-              engine_for_layer(name, kv_cache)->note_forward_skipped();
+            // No metadata: vLLM's warm-up / profiling run, a no-op by the backend contract (cpu_attn.py:382-384
+            // returns output untouched). In vLLM's default compiled mode it comes before initialize_kv_cache creates
+            // any metadata builder (cpu_worker.py:204-206 runs profile_run first), so no engine may exist yet: the
+            // forward is counted only on an engine this cache identifies, never required, never guessed.
+            if (attn_metadata.is_none()) {
+              if (auto engine = identified_by_cache(live_engines_for(name), name, kv_cache))
+                engine->note_forward_skipped();
               return output;
             }
             TORCH_CHECK_TYPE(py::isinstance<PlanHandle>(attn_metadata),
