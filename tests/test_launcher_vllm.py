@@ -53,7 +53,7 @@ SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"])  # this venv's site-packa
 START_TIMEOUT_S = 300  # two servers start side by side on a shared 2-core machine (one alone: 30-70 s)
 STOP_TIMEOUT_S = 60  # measured: both exit within 1 s of the signal
 GROUP_EMPTY_TIMEOUT_S = 15  # multiprocessing's resource tracker leaves once it sees its parent gone
-SERVE_ARGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--served-model-name", "tiny"]
+SERVE_ARGS = ["--dtype", "float32", "--max-model-len", "2048", "--served-model-name", "tiny"]
 
 
 def run_side_by_side(args: list[str], tmp_path: Path, timeout: int = 300) -> dict[str, subprocess.CompletedProcess]:

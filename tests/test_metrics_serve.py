@@ -44,7 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     options = {"activekv": {"pool_blocks": 8, "tile_blocks": 4, "telemetry_json": str(tjson)}}
     cmd = [str(LAUNCHER), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--enforce-eager", "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "tiny",
+           "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "tiny",
            "--additional-config", json.dumps(options)]
     with serving.served(cmd, log, env, START_TIMEOUT_S, port) as proc:
         yield {"proc": proc, "port": port, "log": log, "json": tjson}

@@ -57,7 +57,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
             port, log, tjson = serving.free_port(), tmp / f"serve-{name}.log", tmp / f"telemetry-{name}.json"
             options = {"activekv": {"pool_blocks": pool, "tile_blocks": 4, "telemetry_json": str(tjson)}}
             cmd = [str(LAUNCHER), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype",
-                   "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "4", "--block-size",
+                   "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--block-size",
                    "16", "--num-gpu-blocks-override", "64", "--served-model-name", "tiny",
                    "--additional-config", json.dumps(options)]
             proc = stack.enter_context(serving.served(cmd, log, env, START_TIMEOUT_S, port))

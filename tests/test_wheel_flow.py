@@ -25,8 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests import vllm_tree  # noqa: E402
-from tests.serving import free_port, served, vllm_env  # noqa: E402
+from tests.serving import free_port, served, user_venv, vllm_env  # noqa: E402
 from tools.make_tiny_model import SPEC  # noqa: E402
 from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine, make_prompts  # noqa: E402
 
@@ -39,33 +38,11 @@ MAX_TOKENS = 16
 START_TIMEOUT_S = 240
 
 
-def base_python() -> str:
-    """The interpreter this venv was made from (pyvenv.cfg's home), so the fresh venv shares nothing with this one."""
-    cfg = Path(sys.prefix) / "pyvenv.cfg"
-    for line in cfg.read_text().splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "home":
-            return str(Path(value.strip()) / f"python{sys.version_info.major}.{sys.version_info.minor}")
-    return sys.executable
-
-
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not WHEELS:
         pytest.skip("no dist/activekv-*.whl: run `make wheel` (make test does)")
-    venv = tmp_path_factory.mktemp("user") / "venv"
-    subprocess.run([base_python(), "-m", "venv", str(venv)], check=True, timeout=120)
-    vllm_wheel = vllm_tree.fetch_wheel(REPO / "build")
-    subprocess.run(
-        [str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-index", "--no-deps", str(vllm_wheel),
-         str(WHEELS[-1])],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
-    site = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-    (site / "zz_dev_dependencies.pth").write_text(f"{Path(sys.prefix) / site.relative_to(venv)}\n")
-    return venv
+    return user_venv(tmp_path_factory.mktemp("user") / "venv", WHEELS[-1])
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +65,7 @@ def server(
     log = tmp_path_factory.mktemp("log") / "serve.log"
     env = vllm_env()  # the engine core is spawned
     cmd = [str(fresh_venv / "bin/activekv"), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--block-size", "16",
+           "--dtype", "float32", "--max-model-len", "2048", "--block-size", "16",
            "--served-model-name", "tiny", "--chat-template", str(chat_template)]
     with served(cmd, log, env, START_TIMEOUT_S, port, stop_timeout_s=60) as proc:
         yield {"proc": proc, "port": port, "log": log, "venv": fresh_venv, "patched": patched.stdout}

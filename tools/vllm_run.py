@@ -1,7 +1,7 @@
 """Run vLLM 0.32.0 in this process on a local model from token ids: the harness for the demo, the bench and the tests.
 
-`VllmEngine(EngineConfig(...))` builds one `vllm.LLM` (in-process engine core, float32, eager, tokenizer skipped,
-KV cache sized explicitly, stats on); `engine.generate(prompts, max_tokens, logprobs)` decodes greedily and returns the
+`VllmEngine(EngineConfig(...))` builds one `vllm.LLM` (in-process engine core, float32, vLLM's default compiled mode
+unless `enforce_eager`, tokenizer skipped, KV cache sized explicitly, stats on); `engine.generate(prompts, max_tokens, logprobs)` decodes greedily and returns the
 tokens, the chosen tokens' logprobs, the number of forward steps counted on vLLM's side and, for ActiveKV, the change
 of the native telemetry; `engine.close()` (or leaving the `with` block) shuts the engine down. Run engines one after
 the other: `LLM.get_metrics()` reads the process-wide Prometheus registry, and each new engine unregisters the metrics
@@ -26,8 +26,9 @@ once):
   out: the prompts must fit `max_num_batched_tokens` and `max_num_seqs` (checked before), and vLLM's
   `vllm:num_preemptions` counter must not move (checked after).
 - Profiling and warm-up forwards run inside `LLM(...)` with `attn_metadata` None (backends return `output`
-  untouched), never through `LLMEngine.step`, so they are never observed; counts are also taken as a delta around
-  `generate`.
+  untouched): in compiled mode the CPU worker's warm-up (`profile_run`, before the KV cache and the metadata builders
+  exist), in eager mode none. They never go through `LLMEngine.step`, so they are never observed; counts are also taken
+  as a delta around `generate`.
 Measured on stock CPU_ATTN with the tiny model: 1 prompt x 8 new tokens -> 8 steps, 8 metadata builds, 16 layer
 forwards (2 layers); 4 prompts batched x 32 new tokens -> 32 steps, 32 builds, 64 layer forwards
 (tests/test_e2e_vllm.py checks this on every run).
@@ -48,6 +49,9 @@ from typing import Any
 
 ACTIVEKV = "ACTIVEKV"
 CPU_ATTN = "CPU_ATTN"
+# vLLM's cache folder (torch.compile artifacts, model info) for every engine the dev tools and tests start: under
+# build/, so `make clean` removes it and nothing lands in the user's ~/.cache/vllm.
+VLLM_CACHE_ROOT = Path(__file__).resolve().parents[1] / "build" / "vllm-cache"
 STEP_HISTOGRAM = "vllm:iteration_tokens_total"
 PREEMPTION_COUNTER = "vllm:num_preemptions"
 # Telemetry values that are sizes, not event counts: reported as read after the run, never differenced.
@@ -70,6 +74,8 @@ class EngineConfig:
         a batch of long prompts in one step (`generate` refuses prompts that would be chunked).
     num_gpu_blocks: KV-cache blocks per layer, through vLLM's `num_gpu_blocks_override` (applied to the CPU KV cache
         too: vllm/v1/core/kv_cache_utils.py); None sizes the cache from kv_cache_gib. A small value forces preemption.
+    enforce_eager: False (vLLM's default) compiles the model with torch.compile (inductor) and warms it up before the
+        KV cache exists; True runs it eagerly with no warm-up. Compiled graphs are cached under VLLM_CACHE_ROOT.
     """
 
     model: str
@@ -83,13 +89,14 @@ class EngineConfig:
     seed: int = 0
     max_num_batched_tokens: int | None = None
     num_gpu_blocks: int | None = None
+    enforce_eager: bool = False
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `vllm.LLM` (besides the model path)."""
         kwargs: dict[str, Any] = {
             "skip_tokenizer_init": True,
             "dtype": "float32",
-            "enforce_eager": True,
+            "enforce_eager": self.enforce_eager,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
             "attention_config": {"backend": self.backend},
@@ -190,10 +197,12 @@ def make_prompts(lengths: Sequence[int], vocab_size: int, seed: int = 0) -> list
 
 def _prepare_environment(kv_cache_gib: int) -> None:
     # Set before vLLM reads them: the engine core in this process (telemetry readable, monkeypatchable backends),
-    # no network, the KV cache size in GiB (vllm/platforms/cpu.py reads it from os.environ at start-up).
+    # no network, the KV cache size in GiB (vllm/platforms/cpu.py reads it from os.environ at start-up), and vLLM's
+    # cache (compiled graphs) under this checkout's build/ unless the caller chose one.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(VLLM_CACHE_ROOT))
 
 
 class VllmEngine:
@@ -324,10 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--vocab-size", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true", help="run vLLM eagerly (default: compiled)")
     parser.add_argument("--vllm-log-level", default="ERROR", help="VLLM_LOGGING_LEVEL, unless already set")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", args.vllm_log_level)  # read when vllm is first imported
-    config = EngineConfig(str(args.model), args.backend, args.activekv, args.block_size, seed=args.seed)
+    config = EngineConfig(str(args.model), args.backend, args.activekv, args.block_size, seed=args.seed,
+                          enforce_eager=args.enforce_eager)
     with VllmEngine(config) as engine:
         gen = engine.generate(make_prompts(args.lengths, args.vocab_size, args.seed), args.max_tokens)
     for n, ids in zip(gen.prompt_lens, gen.token_ids):
