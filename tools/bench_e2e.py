@@ -1,23 +1,23 @@
 """End-to-end decode throughput: vLLM generating on the local model with ActiveKV exact mode against stock CPU_ATTN.
 
-`python -m tools.bench_e2e [--context 8192] [--batch 8] [--new-tokens 32] [--repeats 3] [--rounds 2]` (what
-`make bench-e2e` runs). The model is the tests' tiny random Llama (`tools/make_tiny_model.py`: 2 layers, 4 query
-heads, 2 KV heads, head size 32, float32) copied to `build/tiny-llama-e2e` with `max_position_embeddings` raised to
-cover the context (the default RoPE has no scaling: the weights do not depend on it). Per backend and round, one
-in-process vLLM engine (`tools/vllm_run.py`, greedy, eager, prefix caching off, `max_num_batched_tokens` = batch x
-context so each batch prefills in one step): `--batch` seeded prompts of `--context` tokens submitted together to
-vLLM's engine (`LLMEngine.add_request`), then `LLMEngine.step()` until they finish: the first step is the prefill
-(timed alone), the next `--new-tokens` steps decode the batch, timed step by step; `--repeats` times. The backends
-take turns for `--rounds` rounds (CPU_ATTN, then the three ActiveKV runs, then again), each round a fresh engine, so
-that a slow spell of the machine falls on all of them rather than on one. Decode tokens/s = batch / median decode step
-time over every round; the table also gives each round's median. (A difference of whole-generation times, as this tool
-once took, mixes the prefill's run-to-run noise into the few decode steps.) ActiveKV runs at vLLM block size 16 in exact
-mode twice: with its default options (pool 256 blocks, tile 16: a batch of long contexts streams through the pool every
-step) and with a pool that holds the batch's contexts, then once more at the platform's default block size (128, what a
-vLLM user gets without `block_size`) with a pool that holds the contexts; CPU_ATTN at that default block size (128). The
-table says how many forward steps vLLM counted and, for ActiveKV, how many native forward calls its telemetry counted
-(the proof the native path ran).
-"""
+`python -m tools.bench_e2e [--context 8192] [--batch 8] [--new-tokens 32] [--repeats 3] [--rounds 2]
+[--enforce-eager]` (what `make bench-e2e` runs). The model is the tests' tiny random Llama
+(`tools/make_tiny_model.py`: 2 layers, 4 query heads, 2 KV heads, head size 32, float32) copied to
+`build/tiny-llama-e2e` with `max_position_embeddings` raised to cover the context (the default RoPE has no scaling:
+the weights do not depend on it). Per backend and round, one in-process vLLM engine (`tools/vllm_run.py`, greedy, in
+vLLM's default compiled mode for every backend unless `--enforce-eager`, prefix caching off, `max_num_batched_tokens`
+= batch x context so each batch prefills in one step): `--batch` seeded prompts of `--context` tokens submitted
+together to vLLM's engine (`LLMEngine.add_request`), then `LLMEngine.step()` until they finish: the first step is the
+prefill (timed alone), the next `--new-tokens` steps decode the batch, timed step by step; `--repeats` times. The
+backends take turns for `--rounds` rounds (CPU_ATTN, then the three ActiveKV runs, then again), each round a fresh
+engine, so that a slow spell of the machine falls on all of them rather than on one. Decode tokens/s = batch / median
+decode step time over every round; the table also gives each round's median. (A difference of whole-generation times,
+as this tool once took, mixes the prefill's run-to-run noise into the few decode steps.) ActiveKV runs at vLLM block
+size 16 in exact mode twice: with its default options (pool 256 blocks, tile 16: a batch of long contexts streams
+through the pool every step) and with a pool that holds the batch's contexts, then once more at the platform's default
+block size (128, what a vLLM user gets without `block_size`) with a pool that holds the contexts; CPU_ATTN at that
+default block size (128). The table says how many forward steps vLLM counted and, for ActiveKV, how many native
+forward calls its telemetry counted (the proof the native path ran)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ def measure(model: Path, backend: str, args: argparse.Namespace, options: dict |
     config = EngineConfig(
         str(model), backend=backend, activekv=(options or {}) if backend == ACTIVEKV else None,
         block_size=block_size, max_model_len=args.context + args.new_tokens + 16,
-        max_num_seqs=args.batch, kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.batch * args.context)
+        max_num_seqs=args.batch, kv_cache_gib=args.kv_cache_gib, max_num_batched_tokens=args.batch * args.context,
+        enforce_eager=args.enforce_eager)
     prompts = make_prompts([args.context] * args.batch, vocab_size=512, seed=args.seed)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -116,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="turns each backend takes, interleaved")
     parser.add_argument("--kv-cache-gib", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="run every backend eagerly (default: vLLM's compiled mode, what users get)")
     args = parser.parse_args(argv)
     for name in ("context", "batch", "new_tokens", "repeats", "rounds"):
         if getattr(args, name) < 1:
@@ -144,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"command: `python -m tools.bench_e2e {' '.join(argv if argv is not None else sys.argv[1:])}`")
     print(f"model: {model} (2 layers, 4 query heads, 2 KV heads, head size 32, float32); context {args.context}, "
           f"batch {args.batch}, {args.new_tokens} decode tokens per request, {args.repeats} repeats x {args.rounds} "
-          f"rounds (backends interleaved); load average "
+          f"rounds (backends interleaved); vLLM {'eager' if args.enforce_eager else 'compiled (default)'} mode; "
+          f"load average "
           f"{load} at start")
     print()
     print("| backend | prefill step s | decode step ms (median) | per round | decode tokens/s | / CPU_ATTN | "
