@@ -388,3 +388,23 @@ def test_concurrent_calls_from_two_threads() -> None:
     test instead of hanging the session."""
     proc = subprocess.run([sys.executable, "-c", GIL_SCRIPT], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_non_finite_value_reaches_only_the_rows_that_see_its_key(bad: float, dtype: torch.dtype) -> None:
+    """A prefill chunk of 4 queries whose last key's V holds a NaN (or an inf): the earlier 3 rows never see that key,
+    yet 0 x NaN in P x V made them NaN. They now equal attention over the keys they see; the last row, which sees it,
+    is non-finite; the engine and the reference agree bit for bit."""
+    q, kv = make_inputs(4, 20, 4, 2, 16, 8, 3, dtype, seed=7)
+    kv[2, 1, 1, 3, 5] = bad  # block 2 offset 3 = position 19, the last query's own key; KV head 1, dimension 5
+    out = attention.tiled_attention(q, kv, 20, 1, 0.25)
+    want = ref.tiled_attention(q, kv, 20, 1, 0.25)
+    torch.testing.assert_close(out, want, atol=0, rtol=0, equal_nan=True)
+    clean = kv.clone()
+    clean[2, 1, 1, 3, 5] = 0.0
+    earlier = attention.tiled_attention(q, clean, 20, 1, 0.25)[:3]
+    assert bool(out[:3].isfinite().all())
+    torch.testing.assert_close(out[:3], earlier, atol=1e-6, rtol=1e-6)
+    assert not bool(out[3, 2:, 5].isfinite().any())  # query heads 2-3 read KV head 1
+    assert bool(out[3, :2].isfinite().all()) and bool(out[3, 2:, :5].isfinite().all())

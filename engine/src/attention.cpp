@@ -2,6 +2,8 @@
 #include <activekv/check.h>
 #include <activekv/geometry.h>
 
+#include <ATen/TensorIndexing.h>
+
 #include <limits>
 
 namespace activekv {
@@ -36,6 +38,30 @@ at::Tensor gather_tile(const at::Tensor& kv, const at::Tensor& slots) {
   return kv.permute({1, 2, 0, 3, 4}).index_select(2, slots);
 }
 
+namespace {
+// P x V of one tile: p [KVH, G * Lq, keys], v [KVH, keys, D] float32, mask as online_softmax_tile's. A key that some
+// query rows see and others do not (the causal diagonal of a prefill tile) and whose V holds a NaN or an inf must
+// reach only the rows that see it: in a plain matmul the others' p = 0 meets it, and 0 x NaN (or x inf) is NaN. Such
+// keys leave the matmul and are added, one product each, to the rows that see them. Without one (always in decode,
+// where every row sees the same keys, and whenever V is finite) this is the plain matmul.
+at::Tensor probs_times_values(const at::Tensor& p, const at::Tensor& v, const at::Tensor& mask, int64_t g) {
+  const int64_t kvh = p.size(0), rows = p.size(1), keys = p.size(2), lq = mask.size(-2);
+  if (lq == 1) return at::matmul(p, v);
+  // Keys no row sees have V = 0 already (online_softmax_tile), so "masked for some row" means "seen by some, not all".
+  auto bad = v.isfinite().all(-1).logical_not().logical_and(mask.any(-2).reshape({-1, keys}));  // [KVH, keys]
+  if (!bad.any().item<bool>()) return at::matmul(p, v);
+  auto pv = at::matmul(p, v.masked_fill(bad.unsqueeze(-1), 0.0));
+  auto idx = bad.nonzero();  // [nbad, 2]: (KV head, key)
+  auto heads = idx.select(1, 0), cols = idx.select(1, 1);
+  using at::indexing::Slice;
+  auto seen = mask.logical_not().expand({kvh, g, lq, keys}).reshape({kvh, rows, keys});
+  auto seen_bad = seen.index({heads, Slice(), cols}).unsqueeze(-1);  // [nbad, rows, 1]
+  auto p_bad = p.index({heads, Slice(), cols}).unsqueeze(-1);        // [nbad, rows, 1]
+  auto v_bad = v.index({heads, cols}).unsqueeze(1);                   // [nbad, 1, D]
+  return pv.index_add_(0, heads, at::where(seen_bad, p_bad * v_bad, 0.0));
+}
+}  // namespace
+
 void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tensor& tile, const at::Tensor& mask,
                          double scale) {
   const int64_t kvh = qg.size(0), rows = qg.size(1), d = qg.size(2);
@@ -58,7 +84,7 @@ void online_softmax_tile(OnlineSoftmax& st, const at::Tensor& qg, const at::Tens
   auto p = at::sub(s, m_safe).exp_();
   auto alpha = at::sub(st.m, m_safe).exp_();
   st.l = at::add(at::mul(st.l, alpha), p.sum(-1, true));
-  st.acc = at::add(at::mul(st.acc, alpha), at::matmul(p, v));
+  st.acc = at::add(at::mul(st.acc, alpha), probs_times_values(p, v, mask, g));
   st.m = m_new;
 }
 
@@ -77,6 +103,7 @@ at::Tensor tiled_attention(const at::Tensor& q, const at::Tensor& kv, int64_t se
                  q.scalar_type(), " and ", kv.scalar_type());
   AKV_CHECK_VALUE(kv.device() == q.device(), "kv must be on q's device ", q.device(), ", got ", kv.device());
   check_has_data(q, "q");
+  check_has_data(kv, "kv");
   const int64_t lq = q.size(0), bs = kv.size(3);
   AKV_CHECK_VALUE(lq >= 1, "q must hold at least one query token, got ", shape_str(q.sizes()));
   AKV_CHECK_VALUE(lq <= seq_len && seq_len <= kv.size(0) * bs, "need num_q_tokens (", lq, ") <= seq_len (", seq_len,

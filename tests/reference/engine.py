@@ -112,8 +112,28 @@ def online_softmax_tile(st: list[torch.Tensor], qg: torch.Tensor, tile: torch.Te
     p = torch.sub(s, m_safe).exp_()
     alpha = torch.sub(m, m_safe).exp_()
     st[1] = torch.add(torch.mul(l, alpha), p.sum(-1, True))
-    st[2] = torch.add(torch.mul(acc, alpha), torch.matmul(p, v))
+    st[2] = torch.add(torch.mul(acc, alpha), probs_times_values(p, v, mask, g))
     st[0] = m_new
+
+
+def probs_times_values(p: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, g: int) -> torch.Tensor:
+    """P x V of one tile, where a key some rows see and others do not, with a NaN or inf in its V, reaches only the
+    rows that see it (attention.cpp probs_times_values)."""
+    kvh, rows, keys = p.shape
+    lq = mask.shape[-2]
+    if lq == 1:
+        return torch.matmul(p, v)
+    bad = v.isfinite().all(-1).logical_not().logical_and(mask.any(-2).reshape(-1, keys))
+    if not bad.any().item():
+        return torch.matmul(p, v)
+    pv = torch.matmul(p, v.masked_fill(bad.unsqueeze(-1), 0.0))
+    idx = bad.nonzero()
+    heads, cols = idx.select(1, 0), idx.select(1, 1)
+    seen = mask.logical_not().expand(kvh, g, lq, keys).reshape(kvh, rows, keys)
+    seen_bad = seen[heads, :, cols].unsqueeze(-1)
+    p_bad = p[heads, :, cols].unsqueeze(-1)
+    v_bad = v[heads, cols].unsqueeze(1)
+    return pv.index_add_(0, heads, torch.where(seen_bad, p_bad * v_bad, 0.0))
 
 
 def tiled_attention(q: torch.Tensor, kv: torch.Tensor, seq_len: int, tile_blocks: int, scale: float) -> torch.Tensor:
