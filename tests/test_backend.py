@@ -445,3 +445,143 @@ def test_aggregate_info_does_not_add_up_sizes() -> None:
     engines = [backend.Engine(*args), backend.Engine(*args)]
     info = telemetry.snapshot()["info"]
     assert info["block_size"] == BS and info["num_layers"] >= len(engines)
+
+
+ACCESSORS_DURING_FORWARD = """
+import threading, torch
+import activekv._backend as backend
+H, KVH, D, BS = 4, 2, 32, 16
+e = backend.Engine(1, H, KVH, D, BS, torch.float32, 64, 2, mode="compressed", budget_tokens=64, sink_blocks=1,
+                   recent_blocks=1)
+cache = torch.zeros(64, KVH, BS, 2 * D)
+e.update_kv(0, torch.randn(1000, KVH, D), torch.randn(1000, KVH, D), cache, torch.arange(1000))
+plan = e.build(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1000, 900], dtype=torch.int32),
+               torch.stack([torch.arange(64, dtype=torch.int32), torch.arange(64, dtype=torch.int32)]), 2)
+q = torch.randn(2, H, D)
+stop = False
+def step():
+    for _ in range(300):
+        e.forward(0, plan, q, cache, torch.empty(2, H, D), 0.2)
+def read():
+    while not stop:
+        sel = e.selection(0)
+        assert all(t.shape[0] == KVH for t in sel.values())
+        e.pool(0), e.key_min(0), e.key_max(0), e.resident(0)
+readers = [threading.Thread(target=read) for _ in range(2)]
+[t.start() for t in readers]
+step()
+stop = True
+[t.join() for t in readers]
+print("ok", sorted(e.selection(0)))
+"""
+
+
+def test_state_accessors_while_another_thread_steps() -> None:
+    """Engine.selection() (and the other accessors) read the engine's state while a compressed forward on another
+    thread rewrote it: SIGSEGV. They now copy under the engine's lock. A subprocess, so a crash fails one test."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", ACCESSORS_DURING_FORWARD], capture_output=True, text=True,
+                          timeout=300)
+    assert (done.returncode, done.stdout.strip()) == (0, "ok [0, 1]"), done.stderr[-3000:]
+
+
+def test_engine_accessors_hand_out_copies() -> None:
+    """pool(layer) / key_min(layer) returned the engine's own tensors: set_() on one swapped the engine's storage and
+    the next step read or wrote out of bounds."""
+    e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+    cache = torch.zeros(4, KVH, BS, 2 * D)
+    e.update_kv(0, torch.ones(3, KVH, D), torch.ones(3, KVH, D), cache, torch.arange(3))
+    for got in (e.pool(0), e.key_min(0), e.key_max(0)):
+        got.set_(torch.empty(0))
+    assert e.pool(0).shape == (4, KVH, 2, BS, D) and e.key_min(0).shape == (4, KVH, D)
+    plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                   torch.zeros(1, 1, dtype=torch.int32), 1)
+    out = torch.empty(1, H, D)
+    e.forward(0, plan, torch.ones(1, H, D), cache, out, 0.1)
+    torch.testing.assert_close(out, torch.ones(1, H, D))  # every value is 1: the mean of ones
+
+
+def test_a_query_start_loc_that_wraps_in_32_bits_is_rejected_before_counting() -> None:
+    """A decreasing query_start_loc whose difference wraps in 32-bit arithmetic was accepted; the forward that then
+    failed had already advanced the counters."""
+    block_size, first = 2 ** 16, 2 ** 30 + 1  # row 0 holds 2^30 + 1 query tokens: a block table of 16385 columns
+    e = backend.Engine(1, 1, 1, 8, block_size, torch.float32, 2, 1)
+    before = e.snapshot()
+    qsl = torch.tensor([0, first, -first], dtype=torch.int32)  # -first - first = -2^31 - 2 wraps to 2^31 - 2 in int32
+    table = torch.zeros(2, first // block_size + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"query_start_loc must be non-decreasing, got {first} then {-first}"):
+        e.build(qsl, torch.tensor([first, 1], dtype=torch.int32), table, 2)
+    assert e.snapshot() == before
+
+
+@pytest.mark.parametrize("other", ["kv_cache", "query"])
+def test_an_output_overlapping_what_forward_reads_is_rejected(other: str) -> None:
+    e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+    cache = torch.zeros(4, KVH, BS, 2 * D)
+    e.update_kv(0, torch.ones(3, KVH, D), torch.ones(3, KVH, D), cache, torch.arange(3))
+    plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
+                   torch.zeros(1, 1, dtype=torch.int32), 1)
+    q = torch.ones(1, H, D)
+    out = cache.view(-1)[: H * D].view(1, H, D) if other == "kv_cache" else q
+    before, snap = cache.clone(), e.snapshot()
+    with pytest.raises(ValueError, match=f"output and {other} must not share memory"):
+        e.forward(0, plan, q, cache, out, 0.1)
+    assert torch.equal(cache, before) and e.snapshot() == snap
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_scale_is_rejected(scale: float) -> None:
+    with pytest.raises(ValueError, match="scale must be a finite number, got"):
+        backend.Impl(H, D, scale, KVH)
+    e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+    cache = torch.zeros(4, KVH, BS, 2 * D)
+    plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                   torch.zeros(1, 1, dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="scale must be a finite number, got"):
+        e.forward(0, plan, torch.ones(1, H, D), cache, torch.empty(1, H, D), scale)
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"mode\udc80": "exact"}, r"an additional_config\['activekv'\] key must be text UTF-8 can encode, got 'mode\\udc80'"),
+    ({"mode": "exact\udc80"}, r"additional_config\['activekv'\]\['mode'\] must be text UTF-8 can encode"),
+    ({"telemetry_json": "/tmp/x\udc80.json"}, r"\['telemetry_json'\] must be text UTF-8 can encode"),
+])
+def test_option_text_with_a_lone_surrogate_is_named(options: dict, match: str) -> None:
+    """pybind11 said "Unable to cast Python instance of type <class 'str'> to C++ type '?'"."""
+    with pytest.raises(ValueError, match=match):
+        backend.Builder(spec(), LAYERS, vllm_config(options), torch.device("cpu"))
+
+
+def test_activekv_options_in_a_mapping_that_is_no_dict_are_refused() -> None:
+    """A MappingProxyType additional_config holding "activekv" was silently ignored (default options ran)."""
+    from types import MappingProxyType
+
+    extra = MappingProxyType({"activekv": {"pool_blocks": 3, "tile_blocks": 2}})
+    with pytest.raises(TypeError, match="additional_config must be a dict to carry ActiveKV options, got a "
+                                        "<class 'mappingproxy'>"):
+        backend.Builder(spec(), LAYERS, vllm_config(extra=extra), torch.device("cpu"))
+    other = backend.Builder(spec(), LAYERS, vllm_config(extra=MappingProxyType({"someone_else": 1})),
+                            torch.device("cpu"))  # a mapping without ActiveKV options belongs to someone else
+    assert other.engine.pool_blocks == 256
+
+
+def test_a_nan_in_a_later_tokens_value_stays_out_of_earlier_rows_on_every_kernel() -> None:
+    """A 40-token prefill whose token 39 has a NaN in its V: on the ATen path (every non-CPU device, and
+    kernel 'aten') 0 x NaN in P x V made rows 0-38 NaN; the native CPU kernel was right. Both now agree there."""
+    torch.manual_seed(3)
+    k, v, q = torch.randn(40, KVH, D), torch.randn(40, KVH, D), torch.randn(40, H, D)
+    v[39, 0, 7] = float("nan")
+    outs = {}
+    for kernel in ("aten", "native"):
+        e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2, kernel=kernel)
+        cache = torch.zeros(4, KVH, BS, 2 * D)
+        e.update_kv(0, k, v, cache, torch.arange(40))
+        plan = e.build(torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
+                       torch.arange(3, dtype=torch.int32)[None], 40)
+        outs[kernel] = torch.empty(40, H, D)
+        e.forward(0, plan, q, cache, outs[kernel], D ** -0.5)
+    for out in outs.values():
+        assert bool(out[:39].isfinite().all()) and bool(out[39, :2, 7].isnan().all())
+    torch.testing.assert_close(outs["aten"][:39], outs["native"][:39], atol=2e-5, rtol=2e-5)

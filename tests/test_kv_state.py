@@ -570,3 +570,96 @@ def test_rejected_engine_update_neither_counts_nor_rebinds() -> None:
     for name in ("kv_update_calls", "host_rebinds", "tokens_written"):
         assert after[name] == before[name], name
     assert torch.equal(other, vllm_cache(torch.float32, seed=3))
+
+
+CONCURRENT_WRITES = """
+import threading, torch
+import activekv._kv_state as kv_state
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 4, 2, 64, 16, 64
+state = kv_state.KVState(1, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, 3)
+cache = torch.zeros(NUM_BLOCKS, NUM_KV_HEADS, BLOCK_SIZE, 2 * HEAD_SIZE)
+def work(t):
+    g = torch.Generator().manual_seed(t)
+    slots = torch.arange(t * 16 * BLOCK_SIZE, (t + 1) * 16 * BLOCK_SIZE)  # 16 blocks of its own
+    for _ in range(200):
+        k = torch.randn(len(slots), NUM_KV_HEADS, HEAD_SIZE, generator=g)
+        state.write(0, cache, k, k, slots)
+        state.key_min(0), state.pool(0), state.resident(0), state.counters()
+threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+assert state.counters()["tokens_written"] == 4 * 200 * 16 * BLOCK_SIZE
+print("ok")
+"""
+
+
+def test_writes_from_several_threads_are_serialised() -> None:
+    """KVState.write releases the GIL: two threads writing at once corrupted the heap (abort). A subprocess with a
+    timeout, so a crash or a deadlock fails this test instead of the run."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", CONCURRENT_WRITES], capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-3000:]
+
+
+def test_accessors_hand_out_copies() -> None:
+    """pool / key_min / key_max return copies: set_() or writes on what they return never reach the state."""
+    state = make_state()
+    cache = vllm_cache(torch.float32)
+    key, value = kv_tokens(3, torch.float32, seed=1)
+    state.write(0, cache, key, value, torch.tensor([0, 1, 2]))
+    before = (state.pool(0).clone(), state.key_min(0).clone(), state.key_max(0).clone())
+    for got in (state.pool(0), state.key_min(0), state.key_max(0)):
+        got.fill_(7.0)
+        got.set_(torch.empty(0))
+    assert all(torch.equal(a, b) for a, b in zip(before, (state.pool(0), state.key_min(0), state.key_max(0))))
+    state.write(0, cache, key, value, torch.tensor([4, 5, 6]))  # the state's own storage is intact
+    assert state.counters()["tokens_written"] == 6
+
+
+@pytest.mark.parametrize("shrunk", ["kv_cache", "key", "value"])
+def test_a_storage_shrunk_under_its_view_is_rejected(shrunk: str) -> None:
+    """A tensor whose storage was resized below its view was written past its end (SIGSEGV at exit)."""
+    state = make_state()
+    cache = vllm_cache(torch.float32)
+    key, value = kv_tokens(3, torch.float32, seed=2)
+    state.write(0, cache, key, value, torch.tensor([0, 1, 2]))
+    before = cache.clone()
+    {"kv_cache": cache, "key": key, "value": value}[shrunk].untyped_storage().resize_(16)
+    with pytest.raises(ValueError, match=rf"{shrunk} must lie inside its storage: the view needs \d+ bytes"):
+        state.write(0, cache, key, value, torch.tensor([4, 5, 6]))
+    if shrunk != "kv_cache":
+        assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("alias", ["key", "value", "slot_mapping"])
+def test_arguments_that_are_views_into_the_cache_are_rejected(alias: str) -> None:
+    """Key or value viewing the cache being written made the bytes written depend on the loop order."""
+    state = make_state()
+    cache = vllm_cache(torch.float32)
+    before = cache.clone()
+    key, value = kv_tokens(2, torch.float32, seed=3)
+    slots = torch.tensor([8, 9])
+    if alias == "slot_mapping":  # the slots [8, 9] stored in the cache's first 16 bytes, read as int64
+        cache.view(-1)[:4] = torch.tensor([8, 9]).view(torch.float32)
+        before, slots = cache.clone(), cache.view(-1)[:4].view(torch.int64)
+    else:
+        view = block_view(cache)[0, :, 0, :2].transpose(0, 1)  # [2 tokens, KVH, D] inside block 0's keys
+        key, value = (view, value) if alias == "key" else (key, view)
+    with pytest.raises(ValueError, match=rf"{alias} and kv_cache must not share memory"):
+        state.write(0, cache, key, value, slots)
+    assert torch.equal(cache, before) and state.counters()["tokens_written"] == 0
+
+
+def test_one_cache_bound_to_two_layers_is_rejected() -> None:
+    """Each layer keeps pool copies of its own host tier: a second layer on the same memory served stale copies."""
+    state = make_state(num_layers=2)
+    cache = vllm_cache(torch.float32)
+    key, value = kv_tokens(1, torch.float32, seed=4)
+    state.write(0, cache, key, value, torch.tensor([0]))
+    with pytest.raises(ValueError, match="layer 1's kv_cache and layer 0's bound kv_cache must not share memory"):
+        state.write(1, cache, key, value, torch.tensor([1]))
+    with pytest.raises(ValueError, match="must not share memory"):
+        state.bind_host(1, cache)
+    assert state.key_min(1) is None and state.counters()["tokens_written"] == 1

@@ -1,5 +1,6 @@
 // activekv._attention: online-softmax tiled attention (engine/include/activekv/attention.h).
 #include <activekv/attention.h>
+#include <activekv/check.h>
 #include <activekv/geometry.h>
 #include <activekv_py/common.h>
 
@@ -20,6 +21,7 @@ PYBIND11_MODULE(_attention, m) {
         TORCH_CHECK_VALUE(q.dim() == 3, "q must be [num_q_tokens, num_heads, head_size], got ",
                           activekv::shape_str(q.sizes()));
         TORCH_CHECK_VALUE(q.size(1) > 0, "q must have num_heads > 0, got ", activekv::shape_str(q.sizes()));
+        activekv::check_has_data(q, "q");
         TORCH_CHECK_VALUE(num_kv_heads > 0 && q.size(1) % num_kv_heads == 0, "num_heads (",
                           q.size(1), ") must be a multiple of num_kv_heads (", num_kv_heads, ")");
         return activekv::group_query(q, num_kv_heads);
@@ -33,6 +35,7 @@ PYBIND11_MODULE(_attention, m) {
                           activekv::shape_str(out.sizes()));
         TORCH_CHECK_VALUE(num_q_tokens > 0 && out.size(1) % num_q_tokens == 0, "out rows (", out.size(1),
                           ") must be a multiple of num_q_tokens (", num_q_tokens, ")");
+        activekv::check_has_data(out, "out");
         return activekv::ungroup_output(out, num_q_tokens);
       },
       py::arg("out"), py::arg("num_q_tokens"), py::call_guard<py::gil_scoped_release>(),

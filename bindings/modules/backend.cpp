@@ -15,7 +15,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cmath>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -64,11 +66,11 @@ std::shared_ptr<Engine> identified_by_cache(const std::vector<std::shared_ptr<En
   std::shared_ptr<Engine> bound, unbound;
   int64_t n_bound = 0, n_unbound = 0;
   for (auto& e : engines) {
-    const auto& host = e->kv_state().layer(e->layer_index(name)).host;
-    if (!host.defined()) {
+    const auto binding = e->host_binding(e->layer_index(name), kv_cache);
+    if (binding == Engine::HostBinding::kUnbound) {
       unbound = e;
       ++n_unbound;
-    } else if (kv_cache.defined() && host.data_ptr() == kv_cache.data_ptr()) {
+    } else if (binding == Engine::HostBinding::kThis) {
       bound = e;
       ++n_bound;
     }
@@ -113,13 +115,24 @@ T attr_as(const py::handle& obj, const char* owner, const char* name, const char
   return cast_named<T>(obj.attr(name), std::string(owner) + "." + name, expected);
 }
 
+// A Python str as UTF-8, or a named error: TypeError for another type, ValueError for a str that UTF-8 cannot hold (a
+// lone surrogate), where pybind11's own cast says "Unable to cast ... to C++ type '?'".
+std::string utf8_str(const py::handle& v, const std::string& what) {
+  TORCH_CHECK_TYPE(py::isinstance<py::str>(v), what, " must be a str, got ", std::string(py::repr(v)));
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(v.ptr(), &size);
+  if (data == nullptr) {
+    PyErr_Clear();
+    C10_THROW_ERROR(ValueError, c10::str(what, " must be text UTF-8 can encode, got ", std::string(py::repr(v)),
+                                         " (it holds a lone surrogate)"));
+  }
+  return std::string(data, static_cast<size_t>(size));
+}
+
 std::string layer_name(const py::handle& layer) {
   TORCH_CHECK_TYPE(py::hasattr(layer, "layer_name"), "layer must be a vLLM attention layer with a layer_name, got ",
                    std::string(py::str(py::type::of(layer))));
-  py::object name = layer.attr("layer_name");
-  TORCH_CHECK_TYPE(py::isinstance<py::str>(name), "layer.layer_name must be a str, got ",
-                   std::string(py::repr(name)));
-  return name.cast<std::string>();
+  return utf8_str(layer.attr("layer_name"), "layer.layer_name");
 }
 
 const std::set<std::string>& builder_option_keys() {
@@ -145,9 +158,20 @@ int64_t option_int(const py::dict& opts, const char* key, int64_t dflt) {
 }
 
 // Read additional_config["activekv"]: a dict whose keys are all known.
+// vLLM types additional_config as `dict | SupportsHash`: a dict is read; an object of another kind that is no
+// mapping belongs to someone else and carries no ActiveKV options; a mapping of another type (MappingProxyType, ...)
+// that names "activekv" is refused rather than silently ignored. Start-up only.
 py::dict activekv_options(const py::handle& vllm_config) {
   py::object extra = vllm_config.attr("additional_config");
-  if (extra.is_none() || !py::isinstance<py::dict>(extra)) return py::dict();
+  if (extra.is_none()) return py::dict();
+  if (!py::isinstance<py::dict>(extra)) {
+    const bool mapping = py::hasattr(extra, "keys") && py::hasattr(extra, "__getitem__") &&
+                         py::hasattr(extra, "__contains__");
+    TORCH_CHECK_TYPE(!mapping || !extra.attr("__contains__")("activekv").cast<bool>(),
+                     "additional_config must be a dict to carry ActiveKV options, got a ",
+                     std::string(py::str(py::type::of(extra))));
+    return py::dict();
+  }
   py::dict d = extra.cast<py::dict>();
   if (!d.contains("activekv")) return py::dict();
   py::object opts = d["activekv"];
@@ -155,7 +179,7 @@ py::dict activekv_options(const py::handle& vllm_config) {
                    std::string(py::repr(opts)));
   py::dict od = opts.cast<py::dict>();
   for (auto item : od) {
-    const auto key = py::str(item.first).cast<std::string>();
+    const auto key = utf8_str(item.first, "an additional_config['activekv'] key");
     TORCH_CHECK_VALUE(builder_option_keys().count(key), "unknown ActiveKV option additional_config['activekv']['",
                       key, "']; known options: mode, pool_blocks, tile_blocks, kernel, budget_tokens, sink_blocks, "
                       "recent_blocks, telemetry_json");
@@ -326,6 +350,7 @@ Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object nu
                py::object sliding_window, const std::string& kv_cache_dtype, py::object logits_soft_cap,
                py::object attn_type, py::object kv_sharing_target_layer_name, py::object sinks) {
   require_patched_vllm();  // vLLM builds every attention layer's Impl at model construction, before the Builders
+  TORCH_CHECK_VALUE(std::isfinite(scale), "scale must be a finite number, got ", scale);
   TORCH_CHECK_NOT_IMPLEMENTED(alibi_slopes.is_none(), "ActiveKV does not support ALiBi slopes");
   TORCH_CHECK_NOT_IMPLEMENTED(sliding_window.is_none(), "ActiveKV does not support sliding-window attention, got ",
                               std::string(py::repr(sliding_window)));
@@ -396,18 +421,15 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
       cast_named<int64_t>(model_config.attr("get_num_attention_heads")(vllm_config.attr("parallel_config")),
                           "model_config.get_num_attention_heads(parallel_config)", "an int");
   py::dict opts = activekv_options(vllm_config);
-  for (const char* key : {"mode", "kernel", "telemetry_json"}) {
-    if (!opts.contains(key)) continue;
-    py::object v = opts[key];
-    TORCH_CHECK_TYPE(py::isinstance<py::str>(v), "additional_config['activekv']['", key, "'] must be a str, got ",
-                     std::string(py::repr(v)));
-  }
-  const std::string mode = opts.contains("mode") ? opts["mode"].cast<std::string>() : "exact";
+  std::map<std::string, std::string> text;  // the str options, as UTF-8
+  for (const char* key : {"mode", "kernel", "telemetry_json"})
+    if (opts.contains(key)) text[key] = utf8_str(opts[key], c10::str("additional_config['activekv']['", key, "']"));
+  const std::string mode = text.count("mode") ? text["mode"] : "exact";
   activekv::EngineConfig cfg;
   // The engine's own messages name the setting ("mode must be ..."); at start-up, name the option the user wrote.
   try {
     cfg.mode = activekv::parse_mode(mode);
-    if (opts.contains("kernel")) cfg.kernel = activekv::parse_kernel(opts["kernel"].cast<std::string>());
+    if (text.count("kernel")) cfg.kernel = activekv::parse_kernel(text["kernel"]);
   } catch (const c10::ValueError& e) {
     TORCH_CHECK_VALUE(false, "additional_config['activekv']: ", e.what_without_backtrace());
   }
@@ -435,8 +457,8 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
   TORCH_CHECK_VALUE(cfg.pool_blocks >= 1, "additional_config['activekv']['pool_blocks'] must be >= 1, got ",
                     cfg.pool_blocks);
   std::string telemetry_json;
-  if (opts.contains("telemetry_json")) {
-    telemetry_json = opts["telemetry_json"].cast<std::string>();
+  if (text.count("telemetry_json")) {
+    telemetry_json = text["telemetry_json"];
     TORCH_CHECK_VALUE(!telemetry_json.empty() && telemetry_json.back() != '/',
                       "additional_config['activekv']['telemetry_json'] must be a file path, got '", telemetry_json,
                       "'");
@@ -550,24 +572,40 @@ PYBIND11_MODULE(_backend, m) {
       .def("layer_index", &Engine::layer_index, py::arg("name"), "Layer index of a vLLM layer name.")
       .def(
           "resident",
-          [](Engine& e, int64_t layer) { return activekv::py_glue::resident_dict(e.kv_state().layer(layer)); },
+          [](Engine& e, int64_t layer) {
+            std::vector<std::pair<int64_t, int64_t>> blocks;
+            {
+              py::gil_scoped_release release;
+              blocks = e.resident(layer);
+            }
+            py::dict d;
+            for (const auto& [block, slot] : blocks) d[py::int_(block)] = slot;
+            return d;
+          },
           py::arg("layer"), "{block id: pool slot} of the layer's resident blocks.")
-      .def("pool", [](Engine& e, int64_t layer) { return e.kv_state().layer(layer).pool; }, py::arg("layer"),
-           "The layer's active pool [pool_blocks, num_kv_heads, 2, block_size, head_size] (a view).")
-      .def("key_min", [](Engine& e, int64_t layer) { return e.kv_state().layer(layer).key_min; }, py::arg("layer"),
-           "float32 [num_blocks, num_kv_heads, head_size]; undefined before the layer's first KV update.")
-      .def("key_max", [](Engine& e, int64_t layer) { return e.kv_state().layer(layer).key_max; }, py::arg("layer"),
-           "float32 [num_blocks, num_kv_heads, head_size]; undefined before the layer's first KV update.")
+      .def("pool", &Engine::pool, py::arg("layer"), py::call_guard<py::gil_scoped_release>(),
+           "A copy of the layer's active pool [pool_blocks, num_kv_heads, 2, block_size, head_size].")
+      .def("key_min", &Engine::key_min, py::arg("layer"), py::call_guard<py::gil_scoped_release>(),
+           "A copy of the per-block key minimum [num_blocks, num_kv_heads, head_size] in the KV dtype; None before "
+           "the layer's first KV update.")
+      .def("key_max", &Engine::key_max, py::arg("layer"), py::call_guard<py::gil_scoped_release>(),
+           "A copy of the per-block key maximum [num_blocks, num_kv_heads, head_size] in the KV dtype; None before "
+           "the layer's first KV update.")
       .def(
           "selection",
           [](Engine& e, int64_t layer) {
+            std::vector<std::pair<int64_t, at::Tensor>> rows;
+            {
+              py::gil_scoped_release release;
+              rows = e.last_selection(layer);
+            }
             py::dict d;
-            for (const auto& [row, ids] : e.kv_state().layer(layer).last_selection) d[py::int_(row)] = ids;
+            for (const auto& [row, ids] : rows) d[py::int_(row)] = ids;
             return d;
           },
           py::arg("layer"),
           "Compressed mode, the layer's last forward: {request row: int64 [num_kv_heads, per_head] block ids each KV "
-          "head attended}; rows that ran exactly are absent.")
+          "head attended} (copies); rows that ran exactly are absent.")
       .def_property_readonly("top_k", [](Engine& e) { return e.selection().top_k; },
                              "Blocks chosen per KV head by score (compressed mode).")
       .def_property_readonly("num_layers", [](Engine& e) { return e.geometry().num_layers; })

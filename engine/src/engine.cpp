@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <limits>
 
 namespace activekv {
@@ -123,6 +124,46 @@ int64_t Engine::layer_index(const std::string& name) const {
   return it->second;
 }
 
+std::vector<std::pair<int64_t, int64_t>> Engine::resident(int64_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto& l = kv_.layer(layer);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t b = 0; b < l.slot_of_block.size(); ++b)
+    if (l.slot_of_block[b] >= 0) out.emplace_back(static_cast<int64_t>(b), l.slot_of_block[b]);
+  return out;
+}
+
+at::Tensor Engine::pool(int64_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return kv_.layer(layer).pool.clone();
+}
+
+at::Tensor Engine::key_min(int64_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto& t = kv_.layer(layer).key_min;
+  return t.defined() ? t.clone() : t;
+}
+
+at::Tensor Engine::key_max(int64_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto& t = kv_.layer(layer).key_max;
+  return t.defined() ? t.clone() : t;
+}
+
+std::vector<std::pair<int64_t, at::Tensor>> Engine::last_selection(int64_t layer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<int64_t, at::Tensor>> out;
+  for (const auto& [row, ids] : kv_.layer(layer).last_selection) out.emplace_back(row, ids.clone());
+  return out;
+}
+
+Engine::HostBinding Engine::host_binding(int64_t layer, const at::Tensor& kv_cache) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto& host = kv_.layer(layer).host;
+  if (!host.defined()) return HostBinding::kUnbound;
+  return kv_cache.defined() && host.data_ptr() == kv_cache.data_ptr() ? HostBinding::kThis : HostBinding::kOther;
+}
+
 void Engine::check_layer(int64_t layer) const {
   AKV_CHECK_INDEX(layer >= 0 && layer < geometry().num_layers, "layer must be in [0, ", geometry().num_layers,
                   "), got ", layer);
@@ -156,7 +197,7 @@ StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_
   const int64_t width = p.block_table.size(1);
   AKV_CHECK_VALUE(qsl[0] == 0, "query_start_loc[0] must be 0, got ", qsl[0]);
   for (int64_t r = 0; r < num_reqs; ++r) {
-    const int64_t lq = qsl[r + 1] - qsl[r];
+    const int64_t lq = static_cast<int64_t>(qsl[r + 1]) - qsl[r];  // in 64 bits: int32 ends never wrap
     AKV_CHECK_VALUE(lq >= 0, "query_start_loc must be non-decreasing, got ", qsl[r], " then ", qsl[r + 1],
                     " at row ", r);
     AKV_CHECK_VALUE(sl[r] >= lq, "seq_lens[", r, "] (", sl[r], ") must be >= the row's query tokens (", lq, ")");
@@ -211,10 +252,15 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   AKV_CHECK_VALUE(out_ok && output.size(0) >= used && output.is_contiguous(), "output must be contiguous [>= ", used,
                   ", ", h, ", ", d, "] or [>= ", used, ", ", h * d, "], got ", shape_str(output.sizes()));
   AKV_CHECK_VALUE(output.device() == device_, "output must be on ", device_, ", got ", output.device());
+  AKV_CHECK_VALUE(std::isfinite(scale), "scale must be a finite number, got ", scale);
   auto host = kv_.host_view(kv_cache);
   check_writable(output, "output");
   check_writable(kv_cache, "kv_cache");
+  check_has_data(query, "query");
   AKV_CHECK_VALUE(!query.requires_grad(), "query must not require grad (ActiveKV computes without autograd)");
+  // output is written while query and the KV cache are read
+  check_no_overlap(output, "output", kv_cache, "kv_cache");
+  check_no_overlap(output, "output", query, "query");
   std::lock_guard<std::mutex> lock(mu_);
   c10::AutoGradMode no_grad(false);
   const int64_t host_blocks = host.size(0);
@@ -289,7 +335,7 @@ std::vector<Engine::RowWork> Engine::plan_rows(LayerState& L, const StepPlan& pl
   };
   std::vector<Selecting> selecting;
   for (int64_t r = 0; r < plan.num_reqs; ++r) {
-    const int64_t q0 = qsl[r], lq = qsl[r + 1] - qsl[r], seq = sl[r];
+    const int64_t q0 = qsl[r], lq = static_cast<int64_t>(qsl[r + 1]) - qsl[r], seq = sl[r];
     if (lq == 0) continue;
     const int64_t nb = g.blocks_for(seq);
     const int32_t* block_row = bt + r * width;

@@ -89,6 +89,7 @@ at::Tensor as_block_layout(const Geometry& g, const at::Tensor& kv_cache, const 
                   shape_str(kv_cache.sizes()));
   AKV_CHECK_VALUE(kv_cache.is_contiguous(), name, " must be contiguous (ActiveKV reinterprets each block's bytes), ",
                   "got strides ", shape_str(kv_cache.strides()));
+  check_in_storage(kv_cache, name);
   return kv_cache.view(g.kv_cache_shape(nb));
 }
 

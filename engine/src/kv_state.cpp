@@ -1,5 +1,7 @@
 #include <activekv/admission.h>
 #include <activekv/check.h>
+
+#include <c10/util/StringUtil.h>
 #include <activekv/kv_state.h>
 #include <activekv/transfer.h>
 
@@ -112,7 +114,20 @@ at::Tensor KVState::host_view(const at::Tensor& kv_cache) const {
   return host;
 }
 
+void KVState::check_bindable(int64_t index, const at::Tensor& host) const {
+  layer(index);  // index check
+  check_in_storage(host, "kv_cache");
+  for (int64_t i = 0; i < g_.num_layers; ++i) {
+    if (i == index || !layers_[i].host.defined()) continue;
+    // Each layer keeps its own pool copies and key metadata of its host tier: a second layer on the same memory
+    // would serve stale copies after the first layer's writes.
+    check_no_overlap(host, c10::str("layer ", index, "'s kv_cache").c_str(), layers_[i].host,
+                     c10::str("layer ", i, "'s bound kv_cache").c_str());
+  }
+}
+
 void KVState::bind_host(int64_t index, const at::Tensor& host, Telemetry& t) {
+  check_bindable(index, host);
   auto& l = layer(index);
   const int64_t nb = host.size(0);
   if (l.host.defined() && l.host.data_ptr() == host.data_ptr() && l.host_blocks == nb) return;
@@ -136,6 +151,8 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
     AKV_CHECK_VALUE(x->dim() == 3 && x->size(1) == kvh && x->size(2) == d, name, " must be [num_tokens, ", kvh, ", ",
                     d, "], got ", shape_str(x->sizes()));
     AKV_CHECK_VALUE(x->device() == device_, name, " must be on ", device_, ", got ", x->device());
+    check_has_data(*x, name);
+    check_no_overlap(*x, name, host, "kv_cache");  // read while kv_cache is written
   }
   // The host tier is written in place and key/value are read outside autograd: plain data only, checked here so
   // every entry point that writes (Engine::update_kv, the _kv_state binding) rejects the same inputs.
@@ -149,6 +166,7 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
                  "slot_mapping must be an int64 or int32 tensor, got ",
                  slot_mapping.defined() ? c10::toString(slot_mapping.scalar_type()) : "None");
   check_has_data(slot_mapping, "slot_mapping");
+  check_no_overlap(slot_mapping, "slot_mapping", host, "kv_cache");
   AKV_CHECK_VALUE(slot_mapping.dim() == 1, "slot_mapping must be 1-D [num_tokens], got ",
                   shape_str(slot_mapping.sizes()));
   const int64_t n = slot_mapping.size(0);
@@ -176,6 +194,7 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
     off.push_back(s % bs);
     if (s % bs == 0) reset.push_back(s / bs);
   }
+  check_bindable(index, host);
   // Every check passed: bind (possibly resetting a reallocated layer) and write.
   bind_host(index, host, t);
   auto& l = layer(index);

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace activekv {
@@ -81,7 +82,23 @@ class Engine {
   const Geometry& geometry() const { return config_.geometry; }
   at::Device device() const { return device_; }
   Telemetry& telemetry() { return telemetry_; }
-  KVState& kv_state() { return kv_; }
+
+  /// Inspection of one layer's state, each taken under the engine's lock and handed out as a copy: a caller never
+  /// holds the engine's own tensors (which it could resize or swap) nor reads them while another thread's step
+  /// changes them. @throws c10::IndexError for a layer outside [0, num_layers).
+  /// (block id, pool slot) of every resident block, by block id.
+  std::vector<std::pair<int64_t, int64_t>> resident(int64_t layer) const;
+  /// The layer's pool [pool_blocks, num_kv_heads, 2, block_size, head_size], a copy.
+  at::Tensor pool(int64_t layer) const;
+  /// Per-block key minimum / maximum [host_blocks, num_kv_heads, head_size] in the KV dtype, copies; undefined before
+  /// the layer's host tier is bound.
+  at::Tensor key_min(int64_t layer) const;
+  at::Tensor key_max(int64_t layer) const;
+  /// Compressed mode, the layer's last forward: (request row, int64 [num_kv_heads, per_head] block ids), copies.
+  std::vector<std::pair<int64_t, at::Tensor>> last_selection(int64_t layer) const;
+  /// Which memory the layer's host tier is bound to, compared with kv_cache's (by data pointer).
+  enum class HostBinding { kUnbound, kThis, kOther };
+  HostBinding host_binding(int64_t layer, const at::Tensor& kv_cache) const;
 
   /// Assign layer names to layer indices, in order (vLLM's layer names of the KV-cache group).
   /// @throws c10::ValueError if the count differs from geometry.num_layers or a name repeats.
@@ -180,7 +197,7 @@ class Engine {
   uint64_t clock_ = 0;
   std::unordered_map<std::string, int64_t> layer_names_;
   std::optional<c10::Stream> copy_stream_;  ///< CUDA pool only: host-to-device copies of a pinned host tier
-  std::mutex mu_;
+  mutable std::mutex mu_;
 };
 
 /// Engine version string and the torch version it was built against.

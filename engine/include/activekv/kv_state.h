@@ -60,7 +60,10 @@ class KVState {
 
   /// Bind a layer's host tier (a view from host_view). A different tensor than the bound one (vLLM reallocated its KV
   /// cache) resets the layer's page table and key metadata, counted as kHostRebinds.
+  /// @throws c10::ValueError (before anything changes) if the memory overlaps another layer's bound host tier.
   void bind_host(int64_t layer, const at::Tensor& host, Telemetry& t);
+  /// The checks of bind_host alone, for callers that validate everything before changing anything. Changes nothing.
+  void check_bindable(int64_t layer, const at::Tensor& host) const;
 
   /// Write new K/V at their slots: host tier, write-through to resident pool copies, per-block key min/max
   /// (reset when a block's offset 0 is written, since vLLM fills a fresh block from offset 0).
