@@ -37,7 +37,7 @@ from tests.reference import engine as ref
 
 _EXAMPLES = os.environ.get("ACTIVEKV_FUZZ_EXAMPLES")
 settings.register_profile(
-    "activekv", max_examples=int(_EXAMPLES or 40), deadline=None, derandomize=_EXAMPLES is None, database=None,
+    "activekv", max_examples=int(_EXAMPLES or 300), deadline=None, derandomize=_EXAMPLES is None, database=None,
     print_blob=True, suppress_health_check=list(HealthCheck))
 settings.load_profile("activekv")
 
@@ -116,7 +116,16 @@ def tensor_mutations(t: torch.Tensor, *, contiguous_required: bool, floating: bo
     if floating:
         out.append(("int dtype", lambda: t.to(torch.int32), True))
         out.append(("requires_grad", lambda: t.detach().clone().requires_grad_(True), True))
+    if t.numel() > 0:
+        out.append(("storage shrunk under the view", lambda: shrunk(t), True))
     return out
+
+
+def shrunk(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t whose storage is then resized to half its bytes: the view reaches past the storage's end."""
+    c = t.clone()
+    c.untyped_storage().resize_(c.untyped_storage().nbytes() // 2)
+    return c
 
 
 # ---- geometry -----------------------------------------------------------------------------------------------------
@@ -216,7 +225,7 @@ def fuzz_tiled_attention(lq, kvh, group, d, bs, nb, tile_blocks, dtype, data) ->
             must = False
     note(f"{which}: {desc}")
     args[which] = mutate()
-    names = {"q": ("q",), "kv": ("kv", "num_kv_heads", "head_size"), "seq_len": ("seq_len",),
+    names = {"q": ("q", "with head_size"), "kv": ("kv", "num_kv_heads", "head_size"), "seq_len": ("seq_len",),
              "tile_blocks": ("tile_blocks",)}[which] + ("num_heads", "num_q_tokens")
     ok, res = call(lambda: attention.tiled_attention(args["q"], args["kv"], args["seq_len"], args["tile_blocks"],
                                                      scale), names, must)
@@ -486,6 +495,7 @@ def mutate_step(data, call_name: str, args: dict, gs, step):
         if name == "kv_cache":
             muts.append(("block layout [nb, kvh, 2, bs, d]",
                          lambda: v.view(v.shape[0], gs.num_kv_heads, 2, gs.block_size, gs.head_size), False))
+        muts += alias_mutations(call_name, name, v, args)
         desc, mutate, must = data.draw(st.sampled_from(muts))
         if name == "key" and desc == "dim0 + 1" or name == "value" and desc == "dim0 + 1":
             must = True  # key and value must agree on the token count
@@ -504,6 +514,26 @@ def mutate_step(data, call_name: str, args: dict, gs, step):
         desc, bad, must = data.draw(st.sampled_from(int_mutations(name, v, gs, step)))
         args[name] = bad
     return name, desc, must
+
+
+def alias_mutations(call_name: str, name: str, v: torch.Tensor, args: dict):
+    """An argument replaced by a view of the same dtype and shape into memory the call writes (the KV cache an
+    update writes; the output a forward writes) or, for a forward's output, into what it reads: must be rejected."""
+    def view_into(other: torch.Tensor):
+        return lambda: other.reshape(-1)[: v.numel()].view(v.shape)
+
+    out = []
+    cache = args.get("kv_cache")
+    if call_name == "update_kv" and name in ("key", "value") and cache.dtype == v.dtype and cache.numel() >= v.numel():
+        out.append(("view into kv_cache", view_into(cache), True))
+    if call_name == "forward" and name == "output" and v.numel() > 0:
+        if cache.dtype == v.dtype and cache.numel() >= v.numel():
+            out.append(("view into kv_cache", view_into(cache), True))
+        if args["query"].shape == v.shape:
+            out.append(("the query itself", lambda: args["query"], True))
+    if call_name == "forward" and name == "query" and v.numel() > 0 and args["output"].shape == v.shape:
+        out.append(("the output itself", lambda: args["output"], True))
+    return out
 
 
 def int_mutations(name, v, gs, step):
@@ -1007,6 +1037,70 @@ def fuzz_endpoint(scope, send_kind, drive, init, route) -> None:
             assert (status == 405) == (scope["method"] not in ("GET", "HEAD")), (status, scope)
             assert init != "no" or status in (405, 500)
     STATS["accepted"] += 1
+
+
+@given(geometries(), st.sampled_from(["exact", "compressed"]), st.sampled_from(["native", "aten"]),
+       st.lists(st.sampled_from(["update_kv", "forward", "selection", "pool", "key_min", "resident", "snapshot",
+                                 "kv_state_write", "kv_state_read"]), min_size=2, max_size=4))
+def fuzz_concurrent_entry_points(gs, mode, kernel, workers) -> None:
+    """Entry points called from several threads at once on one engine (and one KVState): no crash, no error; every
+    forward of the fixed plan gives the same output (its blocks are never written meanwhile), every KV update lands
+    (disjoint slots), and the final caches equal the reference's sequential writes."""
+    import threading
+
+    example()
+    e, r = engine_pair(gs, 2, mode, kernel)
+    s = kv_state.KVState(gs.num_layers, gs.num_heads, gs.num_kv_heads, gs.head_size, gs.block_size, gs.dtype, 2)
+    bs, kvh, d = gs.block_size, gs.num_kv_heads, gs.head_size
+    blocks = 4 + 2 * len(workers)  # blocks 0-3 hold the planned context; each worker writes two blocks of its own
+    init = torch.randn(blocks, kvh, bs, 2 * d).to(gs.dtype)
+    cache, rcache, scache = init.clone(), init.clone(), init.clone()
+    seq = 4 * bs
+    plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
+                   torch.arange(4, dtype=torch.int32)[None], 1)
+    q = torch.randn(1, gs.num_heads, d).to(gs.dtype)
+    first = torch.empty(1, gs.num_heads, d, dtype=gs.dtype)
+    e.forward(0, plan, q, cache, first, d ** -0.5)
+    writes = []
+    failures: list[BaseException] = []
+
+    def work(i: int, kind: str) -> None:
+        slots = torch.arange((4 + 2 * i) * bs, (6 + 2 * i) * bs)
+        g = torch.Generator().manual_seed(i)
+        k = torch.randn(len(slots), kvh, d, generator=g).to(gs.dtype)
+        try:
+            for _ in range(5):
+                if kind == "update_kv":
+                    e.update_kv(0, k, k, cache, slots)
+                elif kind == "forward":
+                    out = torch.empty(1, gs.num_heads, d, dtype=gs.dtype)
+                    e.forward(0, plan, q, cache, out, d ** -0.5)
+                    assert torch.equal(out, first), "a forward of an unchanged context changed its output"
+                elif kind == "kv_state_write":
+                    s.write(0, scache, k, k, slots)
+                elif kind == "kv_state_read":
+                    s.key_min(0), s.pool(0), s.resident(0), s.counters()
+                elif kind == "snapshot":
+                    e.snapshot()
+                else:
+                    {"selection": e.selection, "pool": e.pool, "key_min": e.key_min, "resident": e.resident}[kind](0)
+        except BaseException as exc:  # noqa: BLE001  (reported after the join)
+            failures.append(exc)
+        writes.append((kind, slots, k))
+
+    threads = [threading.Thread(target=work, args=(i, kind)) for i, kind in enumerate(workers)]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    assert not any(t.is_alive() for t in threads), "a thread did not finish: deadlock?"
+    assert not failures, failures
+    STATS["accepted"] += 5 * len(workers)
+    rscache = init.clone()
+    for kind, slots, k in writes:
+        if kind == "update_kv":
+            r.update_kv(0, k, k, rcache, slots)
+        elif kind == "kv_state_write":
+            r.update_kv(0, k, k, rscache, slots)
+    assert torch.equal(cache, rcache) and torch.equal(scache, rscache), "concurrent writes lost or mixed"
 
 
 CASES = sorted(n for n in dir() if n.startswith("fuzz_"))
