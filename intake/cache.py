@@ -19,12 +19,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from intake import files
 from intake.cxx import EXCLUDED_TOP
 from intake.flags import Flags
 
 FACTS_FORMAT = 4
 # The extractor's own source is part of the key: changing how facts are gathered invalidates every entry.
-_EXTRACTOR = hashlib.sha256(Path(__file__).with_name("cxx.py").read_bytes()).hexdigest()
+_EXTRACTOR = hashlib.sha256(files.read_bytes(Path(__file__).with_name("cxx.py"))).hexdigest()
 
 
 def _libclang_version() -> str:
@@ -53,10 +54,12 @@ class Signatures:
         if sig is None:
             try:
                 if self.project(path):
-                    sig = "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+                    sig = "sha256:" + hashlib.sha256(files.read_bytes(Path(path), self.root)).hexdigest()
                 else:
                     st = os.stat(path)
                     sig = f"stat:{st.st_size}:{st.st_mtime_ns}"
+            except files.Refused as e:
+                sig = f"refused: {e}"
             except OSError:
                 sig = "missing"
             self.memo[path] = sig
@@ -79,9 +82,9 @@ class Cache:
     @staticmethod
     def _content(path: str) -> str:
         try:
-            return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
-        except OSError:
-            return "missing"
+            return "sha256:" + hashlib.sha256(files.read_bytes(Path(path))).hexdigest()
+        except files.Refused as e:
+            return f"refused: {e}"
 
     def _file(self, key: str) -> Path:
         assert self.directory is not None
@@ -91,8 +94,8 @@ class Cache:
         if self.directory is None:
             return None
         try:
-            entry = json.loads(self._file(key).read_text())
-        except (OSError, ValueError):
+            entry = json.loads(files.read_text(self._file(key)))
+        except (files.Refused, ValueError):
             self.misses += 1
             return None
         deps = entry.get("deps", {})

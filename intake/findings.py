@@ -70,6 +70,13 @@ RULES: dict[str, Rule] = {
             "Fix the error, or the flags: run `make build` so compile_commands.json lists the file.",
         ),
         Rule(
+            "unreadable-file",
+            "A payload file the screen will not read: a FIFO, device, socket or folder link, a link that dangles or "
+            "leads out of the screened tree, a file over intake.files.MAX_FILE_BYTES (8 MiB), or a C/C++ file whose "
+            "#include opens one (libclang would block or read without end): an unread file is never passed.",
+            "Replace it with the regular file it stands for, inside the tree, or keep it out of the payload.",
+        ),
+        Rule(
             "baseline-change",
             "A new or changed intake/baseline.toml entry in a change that touches other files too.",
             "Widen the baseline in a change of its own, so the decision is reviewed on its own.",

@@ -29,6 +29,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from intake import files
+
 CXX_SOURCE_SUFFIXES = (".cc", ".cpp", ".cxx", ".c++", ".cu")
 C_SOURCE_SUFFIXES = (".c",)
 HEADER_SUFFIXES = (".h", ".hh", ".hpp", ".hxx", ".h++", ".inl", ".ipp", ".cuh")
@@ -176,8 +178,8 @@ class CompileDatabase:
 
     def _load(self, path: Path) -> None:
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
+            data = json.loads(files.read_text(path))
+        except (files.Refused, ValueError) as e:
             raise FlagsError(f"cannot read {path}: {e}") from e
         if not isinstance(data, list):
             raise FlagsError(f"{path}: expected a JSON array of compile commands")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import git
 
+from intake import files
+
 
 class GitError(Exception):
     """Not a repository, an unknown revision, a git failure (the tool cannot run: exit 2)."""
@@ -36,12 +38,26 @@ class Diff:
     changes: list[Change]
     repo: git.Repo
 
-    def base_text(self, rel: str) -> str | None:
-        """The file's content at the base revision, or None when it did not exist there."""
+    def _blob(self, rel: str) -> git.Blob | None:
         try:
             blob = self.repo.commit(self.base).tree / rel
         except KeyError:
             return None
+        return blob if isinstance(blob, git.Blob) else None
+
+    def base_head(self, rel: str, size: int) -> bytes | None:
+        """The first ``size`` bytes of the file at the base revision, or None when it was no file there."""
+        blob = self._blob(rel)
+        return None if blob is None else blob.data_stream.read(size)
+
+    def base_text(self, rel: str) -> str | None:
+        """The file's content at the base revision, or None when it was no file there; ``files.Refused`` when it
+        is bigger than ``files.MAX_FILE_BYTES`` (its size is read from git's object header, the content never)."""
+        blob = self._blob(rel)
+        if blob is None:
+            return None
+        if blob.size > files.MAX_FILE_BYTES:
+            raise files.Refused(f"{self.base}:{rel}: {blob.size} bytes, expected at most {files.MAX_FILE_BYTES}")
         return blob.data_stream.read().decode("utf-8", "replace")
 
 

@@ -17,6 +17,11 @@ that share a layout; the attention layer calls ``forward`` and ``do_kv_cache_upd
 Request-path modules are the binding files that bind a method of vLLM's endpoint-plugin contract
 (``REQUEST_METHODS``): they serve HTTP requests (their ASGI awaitables run from type slots, which no binding reaches
 statically), so every Python call in them is reported and must be a reviewed baseline entry.
+
+libclang opens a unit's includes itself: a FIFO would block it, ``/dev/zero`` would be read until memory runs out.
+Before a unit is parsed, its ``#include`` lines and those of the project headers they reach are followed lexically
+(``_refused_includes``); a unit with one that names a file ``intake.files`` refuses is an ``unreadable-file`` finding
+and is never handed to libclang. Includes spelled through a macro (``#include HEADER``) are not followed.
 """
 
 from __future__ import annotations
@@ -30,10 +35,14 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from intake import files
 from intake.cache import Cache
-from intake.cxx import forbidden_header, lex_screen, parse
+from intake.cxx import EXCLUDED_TOP, forbidden_header, lex_screen, parse
 from intake.findings import Finding
 from intake.flags import CompileDatabase, Flags
+
+_INCLUDE_RE = re.compile(rb'^[ \t]*#[ \t]*(?:include|include_next|import)[ \t]*([<"])([^>"\r\n]+)[>"]', re.MULTILINE)
+_SEARCH_OPTIONS = ("-iquote", "-isystem", "-idirafter", "-I")
 
 PER_STEP_METHODS = ("build", "build_for_drafting", "update_block_table", "forward", "do_kv_cache_update")
 REQUEST_METHODS = ("attach_router", "init_state")
@@ -45,6 +54,7 @@ _STD_FUNCTION_RE = re.compile(r"\bstd::(\w+::)?function<")
 class Program:
     units: list[dict[str, Any]] = field(default_factory=list)
     parsed: int = 0  # units parsed in this run (the rest came from the cache)
+    refused: list[Finding] = field(default_factory=list)  # units never parsed: an include names a refused file
 
 
 def _parse_job(job: tuple[str, list[str], str, str]) -> dict[str, Any]:
@@ -71,11 +81,16 @@ def load_program(
 ) -> Program:
     """Facts of every unit in ``sources``, then of each header in ``headers`` that no unit includes."""
     program = Program()
+    includes: dict[Path, list[tuple[int, str, bool, str]]] = {}
 
-    def wave(files: list[Path]) -> None:
+    def wave(batch: list[Path]) -> None:
         jobs, keys = [], []
-        for f in files:
+        for f in batch:
             flags: Flags = db.flags_for(f)
+            refused = _refused_includes(root, f, flags, includes)
+            if refused:
+                program.refused += refused
+                continue
             key = cache.key(str(f), flags)
             facts = cache.get(key)
             if facts is not None:
@@ -94,6 +109,85 @@ def load_program(
     return program
 
 
+def _search_dirs(args: tuple[str, ...]) -> list[str]:
+    """Every include folder the flags name (-iquote, -I, -isystem, -idirafter, joined or not; -resource-dir's)."""
+    dirs = []
+    for i, a in enumerate(args):
+        value = args[i + 1] if i + 1 < len(args) else ""
+        if a == "-resource-dir":
+            dirs.append(os.path.join(value, "include"))
+        for opt in _SEARCH_OPTIONS:
+            if a == opt:
+                dirs.append(value)
+            elif a.startswith(opt) and len(a) > len(opt):
+                dirs.append(a[len(opt) :])
+            else:
+                continue
+            break
+    return [d for d in dirs if d]
+
+
+def _includes_of(path: Path, root: Path) -> list[tuple[int, str, bool, str]]:
+    """(line, the directive as written, quoted, the name) of each literal #include/#include_next/#import line."""
+    try:
+        text = files.read_bytes(path, root if path.is_relative_to(root) else None)
+    except files.Refused:
+        return []  # a refused header never gets here: it is reported where it is included
+    return [
+        (text.count(b"\n", 0, m.start()) + 1, m.group(0).decode(errors="replace").strip(), m.group(1) == b'"',
+         os.fsdecode(m.group(2)).strip())
+        for m in _INCLUDE_RE.finditer(text)
+    ]  # fmt: skip
+
+
+def _refused_includes(
+    root: Path, main: Path, flags: Flags, memo: dict[Path, list[tuple[int, str, bool, str]]]
+) -> list[Finding]:
+    """``unreadable-file`` findings, at ``main``, for each include line of ``main`` or of a project header it reaches
+    that could open a file ``intake.files`` refuses. Every existing candidate in the search path is checked (the
+    includer's folder for quoted names, then the flags' folders), not only the one clang would pick: a refused file
+    anywhere on the path is reported. Project headers (under the root, outside build/, .venv/, site-packages) are
+    followed; others are only checked."""
+    dirs = _search_dirs(flags.args)
+    main_rel = _rel(root, str(main))
+    out: list[Finding] = []
+    seen, todo = {main}, [main]
+    while todo:
+        f = todo.pop()
+        if f not in memo:
+            memo[f] = _includes_of(f, root)
+        for line, spelled, quoted, name in memo[f]:
+            bases = ([str(f.parent)] if quoted else []) + dirs
+            names = [name] if os.path.isabs(name) else [os.path.join(d, name) for d in bases]
+            for candidate in (Path(os.path.normpath(n)) for n in names):
+                if not os.path.lexists(candidate):
+                    continue
+                inside = candidate.is_relative_to(root)
+                why = files.refusal(candidate, root if inside else None)
+                if why:
+                    at = (line, "") if f == main else (1, f" ({_rel(root, str(f))}:{line})")
+                    related = tuple(_rel(root, str(p)) for p in (f, candidate) if p.is_relative_to(root))
+                    out.append(
+                        Finding(
+                            "unreadable-file",
+                            main_rel,
+                            at[0],
+                            1,
+                            f"`{spelled}`{at[1]} opens {candidate}: {why}, so libclang did not parse this file",
+                            related=related,
+                        )
+                    )
+                elif inside and _is_project(root, candidate) and candidate not in seen:
+                    seen.add(candidate)
+                    todo.append(candidate)
+    return out
+
+
+def _is_project(root: Path, path: Path) -> bool:
+    parts = path.relative_to(root).parts
+    return bool(parts) and parts[0] not in EXCLUDED_TOP and "site-packages" not in parts
+
+
 # ------------------------------------------------------------------------------------------------------- judging
 
 
@@ -106,9 +200,9 @@ def _rel(root: Path, path: str) -> str:
 
 def judge(root: Path, program: Program) -> tuple[list[Finding], set[str]]:
     """Every C/C++ finding of the program, and the set of files analysed (relative paths)."""
-    findings: list[Finding] = []
-    analysed: set[str] = set()
-    files: dict[str, dict[str, Any]] = {}
+    findings: list[Finding] = list(program.refused)
+    analysed: set[str] = {f.path for f in program.refused}
+    by_file: dict[str, dict[str, Any]] = {}
     functions: dict[str, dict[str, Any]] = {}
     overriders: dict[str, set[str]] = {}
     state: dict[str, dict[str, Any]] = {}
@@ -125,7 +219,7 @@ def judge(root: Path, program: Program) -> tuple[list[Finding], set[str]]:
         findings += _parse_errors(main_rel, unit)
         for rel, facts in unit["files"].items():
             analysed.add(rel)
-            merged = files.setdefault(rel, {"includes": {}, "imports": {}})
+            merged = by_file.setdefault(rel, {"includes": {}, "imports": {}})
             for inc in facts["includes"]:
                 merged["includes"].setdefault((inc["line"], inc["spelled"]), inc)
             for imp in facts["imports"]:
@@ -149,7 +243,7 @@ def judge(root: Path, program: Program) -> tuple[list[Finding], set[str]]:
         state.update(unit["state"])
         names.update(unit.get("names", {}))
 
-    for rel, merged in sorted(files.items()):
+    for rel, merged in sorted(by_file.items()):
         if rel.startswith("engine/"):
             findings += _engine_includes(rel, merged["includes"].values())
         for imp in sorted(merged["imports"].values(), key=lambda i: (i["line"], i["col"])):
@@ -177,13 +271,13 @@ def judge(root: Path, program: Program) -> tuple[list[Finding], set[str]]:
 def _request_path(
     functions: dict[str, dict[str, Any]], bindings: list[tuple[str, dict[str, Any], bool]]
 ) -> list[Finding]:
-    files = {rel for rel, b, _ in bindings if b["name"] in REQUEST_METHODS}
+    served = {rel for rel, b, _ in bindings if b["name"] in REQUEST_METHODS}
     findings: list[Finding] = []
     seen: set[tuple[str, int, int]] = set()
     for node in functions.values():
         for sink in node["sinks"]:
             key = (sink["path"], sink["line"], sink["col"])
-            if sink["path"] not in files or key in seen:
+            if sink["path"] not in served or key in seen:
                 continue
             seen.add(key)
             findings.append(

@@ -13,6 +13,7 @@ import re
 import sys
 from pathlib import Path
 
+from intake import files
 from intake.findings import Finding
 
 HOME = Path(__file__).resolve().parents[1]  # the ActiveKV checkout this intake belongs to (tools/, tests/)
@@ -57,22 +58,25 @@ def screen_series(root: Path, series_dir: Path, vllm_src: Path) -> list[Finding]
 
     rel_dir = series_dir.relative_to(root).as_posix()
     contracts_rel = f"{rel_dir}/contracts.toml"
+
+    def unread(why: str) -> list[Finding]:
+        return [Finding("parse-error", f"{rel_dir}/series", 1, 1,
+                        f"the patch series cannot be read: {why}; an unread series is never passed")]
+
+    # tools.vllm_patch and tools.contracts read the folder's files with plain open(): hand them only files
+    # intake.files would read (each refused one is also an unreadable-file finding of its own when screened).
+    entries = [p for p in sorted(series_dir.iterdir()) if p.is_symlink() or not p.is_dir()]
+    refused = [f"{p.name}: {why}" for p in entries if (why := files.refusal(p, root))]
+    if refused:
+        return unread("; ".join(refused))
     try:
         series = Series.load(series_dir)
-    except PatchError as e:
-        return [
-            Finding(
-                "parse-error",
-                f"{rel_dir}/series",
-                1,
-                1,
-                f"the patch series cannot be read: {e}; an unread series is never passed",
-            )
-        ]
+        contracts_text = files.read_text(series_dir / "contracts.toml", root)
+    except (PatchError, files.Refused) as e:
+        return unread(str(e))
     report = contracts.check(vllm_src, series, series_dir / "contracts.toml")
     entry_lines = [
-        i for i, text in enumerate((series_dir / "contracts.toml").read_text().splitlines(), 1)
-        if re.match(r"^\s*\[\[contract\]\]", text)
+        i for i, text in enumerate(contracts_text.splitlines(), 1) if re.match(r"^\s*\[\[contract\]\]", text)
     ]
     by_contract = {c.label(): a for c, a in report.pairs}
     by_added = {a.label(): a for a in report.added}

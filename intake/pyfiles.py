@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from intake import files
 from intake.findings import Finding
 
 DEV_SIDE = ("tests", "tools", "release", "intake")
@@ -29,11 +30,11 @@ def is_python(rel: str, head: bytes | None) -> bool:
     return head is not None and bool(_SHEBANG_RE.match(head))
 
 
-def read_head(path: Path) -> bytes | None:
+def read_head(path: Path, root: Path) -> bytes | None:
+    """The first 256 bytes, or None when intake.files refuses the file (the screen reports that on its own)."""
     try:
-        with path.open("rb") as f:
-            return f.read(256)
-    except OSError:
+        return files.read_head(path, 256, root)
+    except files.Refused:
         return None
 
 

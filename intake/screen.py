@@ -2,7 +2,9 @@
 
 Both apply every rule to the payload side of the tree; the dev-side folders (``tests/``, ``tools/``, ``release/``,
 ``intake/``) are not payload, so none of the rules looks at them (their C++ and Python may do what dev tools do;
-``tests/intake_corpus/`` is full of deliberate violations). The baseline is applied last.
+``tests/intake_corpus/`` is full of deliberate violations). A payload file ``intake.files`` refuses (a FIFO, device,
+socket or folder link, a link out of the tree, a file over the size cap) is an ``unreadable-file`` finding and no
+other rule reads it. The baseline is applied last.
 """
 
 from __future__ import annotations
@@ -11,12 +13,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from intake import baseline, native, patches, pyfiles
+from intake import baseline, files, native, patches, pyfiles
 from intake.cache import Cache
 from intake.findings import Finding
 from intake.flags import CompileDatabase, is_header, is_native
-
-_SKIP_DIRS = {".git", "__pycache__"}
 
 
 class ToolError(Exception):
@@ -81,11 +81,15 @@ def _baseline(root: Path, opts: Options) -> tuple[list[baseline.Entry], str]:
         if opts.baseline is not None:
             raise ToolError(f"--baseline {path} does not exist")
         return [], rel
-    return baseline.parse(path.read_text(), rel), rel
+    try:
+        text = files.read_text(path)
+    except files.Refused as e:
+        raise ToolError(f"cannot read the baseline: {e}") from e
+    return baseline.parse(text, rel), rel
 
 
 def _program_sources(root: Path, db: CompileDatabase, extra: list[Path]) -> list[Path]:
-    sources = {Path(p) for p in db.entries if Path(p).is_file() and _payload(root, Path(p))}
+    sources = {Path(p) for p in db.entries if _payload(root, Path(p)) and files.refusal(Path(p), root) is None}
     sources |= {p for p in extra if not is_header(p)}
     return sorted(sources)
 
@@ -115,7 +119,7 @@ def _finish(
     entries: list[baseline.Entry],
     baseline_rel: str,
     stale_scope: set[str],
-    files: int,
+    count: int,
     program: native.Program | None,
     cache: Cache | None,
     pool: list[Finding] | None = None,
@@ -130,7 +134,7 @@ def _finish(
         command,
         root,
         unique,
-        files,
+        count,
         allowed,
         parsed=program.parsed if program else 0,
         cached=cache.hits if cache else 0,
@@ -142,35 +146,35 @@ def _finish(
 
 def scan(paths: list[Path], root: Path, opts: Options) -> Result:
     root = root.resolve()
-    files: list[Path] = []
-    series_dirs: set[Path] = set()
+    found: list[Path] = []
     for given in paths:
         p = Path(os.path.normpath(given.absolute()))
-        if not p.exists():
+        if not os.path.lexists(p):
             raise ToolError(f"{given}: no such file or folder")
         try:
             p.relative_to(root)
         except ValueError as e:
             raise ToolError(f"{given} is outside the root {root} (--root)") from e
-        if p.is_file():
-            files.append(p)
-            if patches.is_series_dir(p.parent):
-                series_dirs.add(p.parent)
-            continue
-        for dirpath, dirnames, filenames in os.walk(p):
-            dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-            d = Path(dirpath)
-            if patches.is_series_dir(d):
-                series_dirs.add(d)
-            files += [d / f for f in sorted(filenames)]
-    files = sorted(set(files))
-    screened = {_rel(root, f) for f in files}
-    payload = [f for f in files if _payload(root, f)]
+        # A folder named here is walked (a link the user names included); anything else is one entry, refused below
+        # unless it is a regular file.
+        found += files.walk(p) if p.is_dir() else [p]
+    found = sorted(set(found))
+    series_dirs = {d for d in {f.parent for f in found} if patches.is_series_dir(d)}
+    screened = {_rel(root, f) for f in found}
 
     findings: list[Finding] = []
+    payload: list[Path] = []
+    for f in found:
+        if not _payload(root, f):
+            continue
+        reason = files.refusal(f, root)
+        if reason:
+            findings.append(files.finding(_rel(root, f), reason))
+        else:
+            payload.append(f)
     for f in payload:
         rel = _rel(root, f)
-        head = pyfiles.read_head(f)
+        head = pyfiles.read_head(f, root)
         if pyfiles.is_python(rel, head):
             findings.append(pyfiles.finding(rel, head))
 
@@ -187,7 +191,7 @@ def scan(paths: list[Path], root: Path, opts: Options) -> Result:
                 findings += patches.screen_series(root, d, vllm_src)
 
     entries, baseline_rel = _baseline(root, opts)
-    return _finish("scan", root, findings, entries, baseline_rel, screened, len(files), program, cache)
+    return _finish("scan", root, findings, entries, baseline_rel, screened, len(found), program, cache)
 
 
 # --------------------------------------------------------------------------------------------------------- check
@@ -206,10 +210,16 @@ def check(base: str, repo: Path, staged: bool, opts: Options) -> Result:
     touched = changed | {c.old_path for c in d.changes if c.old_path} | {c.path for c in d.changes}
 
     findings: list[Finding] = []
+    refused: set[str] = set()
     for c in present:
         if pyfiles.is_dev_side(c.path):
             continue
-        head = pyfiles.read_head(root / c.path)
+        reason = files.refusal(root / c.path, root)
+        if reason:
+            findings.append(files.finding(c.path, reason))
+            refused.add(c.path)
+            continue
+        head = pyfiles.read_head(root / c.path, root)
         if not pyfiles.is_python(c.path, head):
             continue
         if c.status == "A":
@@ -219,11 +229,15 @@ def check(base: str, repo: Path, staged: bool, opts: Options) -> Result:
         elif c.status == "R":
             findings.append(pyfiles.finding(c.path, head, c.old_path))
         else:  # modified: new only when the base version was not Python (a shebang added)
-            before = d.base_text(c.path)
-            if before is not None and not pyfiles.is_python(c.path, before.encode()[:256]):
+            before = d.base_head(c.path, 256)
+            if before is not None and not pyfiles.is_python(c.path, before):
                 findings.append(pyfiles.finding(c.path, head))
 
-    natives = [root / c.path for c in present if is_native(c.path) and not pyfiles.is_dev_side(c.path)]
+    natives = [
+        root / c.path
+        for c in present
+        if is_native(c.path) and not pyfiles.is_dev_side(c.path) and c.path not in refused
+    ]
     program = cache = None
     analysed: set[str] = set()
     native_findings: list[Finding] = []
@@ -233,7 +247,7 @@ def check(base: str, repo: Path, staged: bool, opts: Options) -> Result:
     if natives or (root / "compile_commands.json").exists() or opts.compile_commands or baseline_rel in touched:
         listed = d.repo.git.ls_files("-z", "--cached", "--others", "--exclude-standard").split("\0")
         sources = [root / p for p in listed if p and is_native(p) and not is_header(p) and not pyfiles.is_dev_side(p)]
-        sources = [p for p in sources if p.is_file()]
+        sources = [p for p in sources if files.refusal(p, root) is None]
         native_findings, analysed, program, cache = _native(
             root, opts, sorted(set(sources) | set(natives)), [p for p in natives if is_header(p)]
         )
@@ -255,7 +269,10 @@ def check(base: str, repo: Path, staged: bool, opts: Options) -> Result:
 
     stale_scope = set(changed)
     if baseline_rel in touched:
-        before = d.base_text(baseline_rel)
+        try:
+            before = d.base_text(baseline_rel)
+        except files.Refused as e:
+            raise ToolError(f"cannot read the baseline at {base}: {e}") from e
         base_entries = baseline.parse(before, f"{base}:{baseline_rel}") if before else []
         if touched - {baseline_rel}:
             findings += baseline.changes(base_entries, entries, baseline_rel)

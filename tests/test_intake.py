@@ -229,3 +229,171 @@ def test_an_openmp_entry_parses(tmp_path: Path) -> None:
     )
     done = intake("scan", "engine", cwd=root)
     assert done.returncode == 0 and "intake: clean" in done.stdout, done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------------------------------- files it will not read
+
+
+def scan_bounded(root: Path, *paths: str) -> tuple[int, dict]:
+    """``scan PATHS --format json`` in a child bounded in time (a hang fails, never hangs) and address space (reading
+    /dev/zero fails fast instead of taking the machine's memory); (exit status, report)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "intake", "scan", *paths, "--format", "json", "--no-cache", "--jobs", "1"],
+            cwd=root, env=env, capture_output=True, text=True, timeout=120, preexec_fn=limit,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"intake scan {' '.join(paths)} hung (still running after 120 s)")
+    assert done.stdout, f"exit {done.returncode}: {done.stderr}"
+    return done.returncode, json.loads(done.stdout)
+
+
+def unreadable(report: dict) -> list[tuple[str, int, str]]:
+    return sorted((f["path"], f["line"], f["message"]) for f in report["findings"] if f["rule"] == "unreadable-file")
+
+
+@pytest.fixture
+def hostile(tmp_path: Path) -> Path:
+    """A tree with one clean C++ file; each test adds what it screens."""
+    root = tmp_path / "root"
+    (root / "engine" / "src").mkdir(parents=True)
+    (root / "engine" / "src" / "ok.cpp").write_text("int ok() { return 1; }\n")
+    return root
+
+
+def test_a_fifo_in_a_scanned_folder_is_a_finding_not_a_hang(hostile: Path) -> None:
+    os.mkfifo(hostile / "engine" / "src" / "pipe.cpp")
+    os.mkfifo(hostile / "engine" / "src" / "notes")
+    status, report = scan_bounded(hostile, "engine")
+    assert status == 1
+    assert unreadable(report) == [
+        ("engine/src/notes", 1, "a FIFO: expected a regular file of at most 8388608 bytes; the screen did not read it"),
+        ("engine/src/pipe.cpp", 1, "a FIFO: expected a regular file of at most 8388608 bytes; the screen did not read "
+         "it"),
+    ]
+    assert report["summary"]["files_screened"] == 3
+
+
+def test_a_fifo_named_on_the_command_line_is_a_finding(hostile: Path) -> None:
+    os.mkfifo(hostile / "engine" / "src" / "pipe.h")
+    status, report = scan_bounded(hostile, "engine/src/pipe.h")
+    assert (status, [p for p, _, _ in unreadable(report)]) == (1, ["engine/src/pipe.h"])
+
+
+def test_a_link_to_dev_zero_named_like_a_header_is_never_read(hostile: Path) -> None:
+    (hostile / "engine" / "src" / "zero.h").symlink_to("/dev/zero")
+    status, report = scan_bounded(hostile, "engine")
+    assert status == 1
+    assert unreadable(report) == [
+        ("engine/src/zero.h", 1, "a link to /dev/zero, a character device: expected a regular file of at most 8388608 "
+         "bytes; the screen did not read it"),
+    ]
+
+
+def test_an_include_of_a_file_it_will_not_read_is_a_finding_and_is_not_parsed(hostile: Path) -> None:
+    src = hostile / "engine" / "src"
+    (src / "zero.h").symlink_to("/dev/zero")
+    os.mkfifo(src / "pipe.h")
+    (src / "uses_zero.cpp").write_text('int a();\n#include "zero.h"\n')
+    (src / "uses_pipe.cpp").write_text('#  include "pipe.h"\n')
+    (src / "uses_dev.cpp").write_text('#include "/dev/zero"\n')
+    status, report = scan_bounded(hostile, "engine")
+    assert status == 1
+    got = [(p, line) for p, line, _ in unreadable(report)]
+    assert got == [("engine/src/pipe.h", 1), ("engine/src/uses_dev.cpp", 1), ("engine/src/uses_pipe.cpp", 1),
+                   ("engine/src/uses_zero.cpp", 2), ("engine/src/zero.h", 1)]
+    message = next(m for p, _, m in unreadable(report) if p == "engine/src/uses_zero.cpp")
+    assert message.startswith(f'`#include "zero.h"` opens {src / "zero.h"}: a link to /dev/zero, a character device:')
+    assert "libclang did not parse this file" in message
+
+
+def test_links_are_followed_inside_the_tree_only(hostile: Path) -> None:
+    (hostile / "tools").mkdir()
+    (hostile / "tools" / "run").write_text("#!/usr/bin/env python3\nprint('run')\n")
+    outside = hostile.parent / "outside.h"
+    outside.write_text("int outside();\n")
+    (hostile / "bindings").mkdir()
+    (hostile / "bindings" / "run").symlink_to("../tools/run")  # inside: followed, and read as Python
+    (hostile / "bindings" / "outside.h").symlink_to(outside)
+    (hostile / "bindings" / "dangling.h").symlink_to("no-such-file.h")
+    (hostile / "bindings" / "folder").symlink_to(hostile / "tools")
+    status, report = scan_bounded(hostile, "bindings")
+    assert status == 1
+    assert sorted((f["rule"], f["path"]) for f in report["findings"]) == [
+        ("new-python-module", "bindings/run"),
+        ("unreadable-file", "bindings/dangling.h"),
+        ("unreadable-file", "bindings/folder"),
+        ("unreadable-file", "bindings/outside.h"),
+    ]
+    messages = {p: m for p, _, m in unreadable(report)}
+    assert messages["bindings/outside.h"].startswith(f"a link to {outside}, outside the screened tree {hostile}:")
+    assert messages["bindings/dangling.h"].startswith("a link to no-such-file.h, which does not exist:")
+    assert messages["bindings/folder"].startswith(f"a link to {hostile / 'tools'}, a folder:")
+
+
+def test_a_file_over_the_size_cap_is_a_finding_never_a_read(hostile: Path) -> None:
+    big = hostile / "engine" / "blob.bin"
+    with big.open("wb") as f:
+        f.truncate(9 << 20)  # sparse: 9 MiB on paper, nothing on disk
+    status, report = scan_bounded(hostile, "engine")
+    assert status == 1
+    assert unreadable(report) == [
+        ("engine/blob.bin", 1, "9437184 bytes: expected a regular file of at most 8388608 bytes; the screen did not "
+         "read it"),
+    ]
+
+
+def test_a_socket_is_a_finding(hostile: Path) -> None:
+    import socket
+
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(hostile / "engine" / "src" / "s.sock"))
+        status, report = scan_bounded(hostile, "engine")
+    finally:
+        sock.close()
+    got = [(p, m.split(":")[0]) for p, _, m in unreadable(report)]
+    assert (status, got) == (1, [("engine/src/s.sock", "a socket")])
+
+
+def test_a_fifo_in_a_patch_series_is_a_finding_and_the_series_is_not_loaded(hostile: Path) -> None:
+    series = hostile / "patches" / "vllm" / "v0.32.0"
+    series.mkdir(parents=True)
+    (series / "series").write_text("0001-x.patch\n")
+    (series / "contracts.toml").write_text("")
+    os.mkfifo(series / "0001-x.patch")  # the series names it: loading the series would open it and wait
+    vllm_src = hostile.parent / "vllm-src"
+    (vllm_src / "vllm").mkdir(parents=True)  # never read: the series is refused before its contracts are checked
+    status, report = scan_bounded(hostile, "patches", "--vllm-src", str(vllm_src))
+    assert status == 1
+    assert sorted((f["rule"], f["path"]) for f in report["findings"]) == [
+        ("parse-error", "patches/vllm/v0.32.0/series"),
+        ("unreadable-file", "patches/vllm/v0.32.0/0001-x.patch"),
+    ]
+    series_message = next(f["message"] for f in report["findings"] if f["rule"] == "parse-error")
+    assert series_message.startswith("the patch series cannot be read: 0001-x.patch: a FIFO: expected a regular file")
+
+
+def test_a_configuration_file_it_will_not_read_stops_the_screen(hostile: Path) -> None:
+    os.mkfifo(hostile / "baseline.fifo")
+    os.mkfifo(hostile / "compile_commands.fifo")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for option, fifo, said in [
+        ("--baseline", "baseline.fifo", "intake: error: cannot read the baseline: "),
+        ("--compile-commands", "compile_commands.fifo", "intake: error: cannot read "),
+    ]:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "intake", "scan", "engine", option, fifo, "--no-cache", "--jobs", "1"],
+                cwd=hostile, env=env, capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"intake scan {option} {fifo} hung (still running after 120 s)")
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.startswith(said) and f"{fifo}: a FIFO: expected a regular file" in done.stderr

@@ -300,6 +300,41 @@ def test_a_stale_citation_is_rejected(series_repo: Path, cache: Path, vllm_src: 
     assert "stale citation" in report["findings"][0]["message"]
 
 
+# ----------------------------------------------------------------------------------------- files it will not read
+
+
+def test_a_link_to_dev_zero_and_an_include_of_a_fifo_are_findings_not_a_hang(repo: Path, cache: Path) -> None:
+    """A hang fails (timeout) and reading /dev/zero fails fast (address-space limit) instead of filling memory."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    (repo / "engine").mkdir()
+    (repo / "engine" / "zero.h").symlink_to("/dev/zero")  # git records the link: an added file
+    os.mkfifo(repo / "bindings" / "modules" / "pipe.h")  # git never sees a FIFO, but libclang would open it
+    write(repo, {"bindings/modules/uses.cpp": 'int uses();\n#include "pipe.h"\n'})
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "intake", "check", "--base", "HEAD", "--repo", str(repo), "--format", "json",
+             "--cache", str(cache)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=120, preexec_fn=limit,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("intake check hung (still running after 120 s)")
+    assert done.returncode == 1, done.stderr
+    report = json.loads(done.stdout)
+    assert found(report) == [
+        ("unreadable-file", "bindings/modules/uses.cpp", 2),
+        ("unreadable-file", "engine/zero.h", 1),
+    ]
+    messages = [f["message"] for f in report["findings"]]
+    assert messages[0].startswith(f'`#include "pipe.h"` opens {repo.resolve()}/bindings/modules/pipe.h: a FIFO:')
+    assert messages[1] == ("a link to /dev/zero, a character device: expected a regular file of at most 8388608 "
+                           "bytes; the screen did not read it")
+
+
 # ------------------------------------------------------------------------------------------- --staged, exit status
 
 

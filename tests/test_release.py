@@ -260,3 +260,193 @@ def test_audit_fails_on_a_patch_line_without_a_contract(wheel: Path, ref: Path, 
         re.MULTILINE,
     ), done.stdout
     assert "own Python lines in payload: 0" in done.stdout.splitlines()
+
+
+# ------------------------------------------------------------------------------------------------ hostile wheels
+# Small wheels built from scratch (no dist/ needed): METADATA, WHEEL, the members under test and a RECORD that lists
+# each with its hash and size. None holds a patch series, so each also fails with CLEAN_SMALL below; the tests assert
+# the exact problem lines each hostile member adds.
+
+SMALL = "demo-0.1-py3-none-any.whl"
+CLEAN_SMALL = ["contracts: expected one patch series in the payload, found 0"]
+
+
+def record_row(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def small_wheel(dest: Path, members: list[tuple[str, bytes]], *, extra_rows: tuple[str, ...] = (),
+                name: str = SMALL) -> Path:
+    """``dest/name``: a minimal wheel holding ``members`` in order (a name may repeat: a zip can hold it twice),
+    RECORD listing each name once, then ``extra_rows``."""
+    meta = [
+        ("demo-0.1.dist-info/METADATA", b"Metadata-Version: 2.1\nName: demo\nVersion: 0.1\n"),
+        ("demo-0.1.dist-info/WHEEL", b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\n"
+                                     b"Tag: py3-none-any\n"),
+    ]
+    rows = list({n: record_row(n, d) for n, d in [*meta, *members]}.values())
+    record = "\n".join([*rows, *extra_rows, "demo-0.1.dist-info/RECORD,,"]) + "\n"
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(dest / name, "w", zipfile.ZIP_DEFLATED) as zf:
+        for member, data in [*meta, *members, ("demo-0.1.dist-info/RECORD", record.encode())]:
+            zf.writestr(zipfile.ZipInfo(member), data, compress_type=zipfile.ZIP_DEFLATED)
+    return dest / name
+
+
+def audit_small(wheel: Path) -> tuple[int, list[str]]:
+    """The audit's exit status and problem lines (``--format json``); a traceback fails the test."""
+    done = audit(wheel, REPO / "no-vllm-src-needed-without-a-series", "--format", "json")
+    assert done.stderr == "" and done.stdout, f"exit {done.returncode}: {done.stderr}"
+    return done.returncode, json.loads(done.stdout)["problems"]
+
+
+def test_a_small_clean_wheel_fails_only_for_its_missing_series(tmp_path: Path) -> None:
+    wheel = small_wheel(tmp_path, [
+        ("demo/notes.txt", "plain words, café\n".encode()),
+        ("demo/table.bin", bytes(range(256)) * 4),
+        ("demo-0.1.data/scripts/demo", b'#!/bin/sh\nexec "$(dirname "$0")/demo-native" "$@"\n'),
+    ])  # fmt: skip
+    assert audit_small(wheel) == (1, CLEAN_SMALL)
+
+
+def test_audit_reports_member_names_that_leave_the_wheel(tmp_path: Path) -> None:
+    wheel = small_wheel(tmp_path, [
+        ("demo/../evil.txt", b"x\n"),
+        ("/etc/evil.txt", b"x\n"),
+        ("demo\\..\\w.txt", b"x\n"),  # a Windows installer splits at the backslashes
+    ])  # fmt: skip
+    status, problems = audit_small(wheel)
+    assert status == 1
+    assert problems[:3] == [
+        "names: /etc/evil.txt: an absolute path; expected a relative path inside the wheel",
+        "names: demo/../evil.txt: a '..' component; expected a path that stays inside the wheel",
+        "names: demo\\..\\w.txt: a '..' component; expected a path that stays inside the wheel",
+    ]
+    assert "record: not verified: member names leave the wheel (names: above)" in problems
+
+
+def test_audit_reports_a_path_recorded_or_stored_twice(tmp_path: Path) -> None:
+    wheel = small_wheel(tmp_path, [("demo/a.txt", b"one\n")], extra_rows=(record_row("demo/a.txt", b"one\n"),))
+    assert audit_small(wheel) == (1, ["record: RECORD lists demo/a.txt 2 times; expected each path once",
+                                      *CLEAN_SMALL])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # zipfile's "Duplicate name": the point of the test
+        twice = small_wheel(tmp_path / "twice", [("demo/a.txt", b"one\n"), ("demo/a.txt", b"import os\n")])
+    status, problems = audit_small(twice)
+    assert status == 1 and "names: demo/a.txt: stored 2 times in the zip; expected each member once" in problems
+
+
+def test_audit_reports_bytecode_and_archives_under_other_names(tmp_path: Path) -> None:
+    import importlib.util
+    import io
+    import marshal
+
+    pyc = importlib.util.MAGIC_NUMBER + bytes(12) + marshal.dumps(compile("import os", "x", "exec"))
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w") as zf:
+        zf.writestr("evil.py", "import os\n")
+    magic = int.from_bytes(importlib.util.MAGIC_NUMBER[:2], "little")
+    wheel = small_wheel(tmp_path, [
+        ("demo/data.bin", pyc),
+        ("demo/blob.dat", inner.getvalue()),
+        ("demo/notes.txt", b"plain words\n" + inner.getvalue()),  # an archive after a text prefix: zipimport reads it
+        ("demo/Helper.PY", b"X = 1\n"),
+    ])  # fmt: skip
+    assert audit_small(wheel) == (1, [
+        "python: demo/Helper.PY: .PY file (1 code line(s))",
+        "kinds: demo/blob.dat: a zip archive (local header PK\\x03\\x04); expected no archive in the wheel "
+        "(zipimport runs Python from one)",
+        f"python: demo/data.bin: Python bytecode (magic number {magic}, then \\r\\n) (0 code line(s))",
+        "kinds: demo/notes.txt: a zip archive (a central directory after 12 other bytes); expected no archive in "
+        "the wheel (zipimport runs Python from one)",
+        *CLEAN_SMALL,
+    ])  # fmt: skip
+
+
+def test_audit_reports_python_source_in_another_coding(tmp_path: Path) -> None:
+    source = "import os\n\ndef greet():\n    return os.sep + 'café'\n"
+    wheel = small_wheel(tmp_path, [
+        ("demo/cookie.txt", ("# -*- coding: latin-1 -*-\n" + source).encode("latin-1")),
+        ("demo/latin.txt", source.encode("latin-1")),  # no cookie, not UTF-8
+        ("demo/bom.txt", b"\xef\xbb\xbf" + source.encode()),
+    ])  # fmt: skip
+    assert audit_small(wheel) == (1, [
+        "python: demo/bom.txt: Python source (utf-8-sig) under a data name (3 code line(s))",
+        "python: demo/cookie.txt: Python source (iso-8859-1) under a data name (3 code line(s))",
+        "python: demo/latin.txt: Python source (latin-1) under a data name (3 code line(s))",
+        *CLEAN_SMALL,
+    ])  # fmt: skip
+
+
+def test_audit_reports_a_script_that_runs_python(tmp_path: Path) -> None:
+    wheel = small_wheel(tmp_path, [
+        ("demo-0.1.data/scripts/exec-python", b'#!/bin/sh\n# launcher\nexec python -m demo "$@"\n'),
+        ("demo-0.1.data/scripts/python3-c", b"#!/bin/bash\nset -e\n/usr/bin/python3.11 -c 'import demo'\n"),
+        ("demo-0.1.dist-info/entry_points.txt", b"[console_scripts]\ndemo = demo.cli:main\n"),
+    ])  # fmt: skip
+    assert audit_small(wheel) == (1, [
+        "python: demo-0.1.data/scripts/exec-python: a script that runs Python (line 3: exec python -m demo \"$@\") "
+        "(1 code line(s))",
+        "python: demo-0.1.data/scripts/python3-c: a script that runs Python (line 3: /usr/bin/python3.11 -c "
+        "'import demo') (1 code line(s))",
+        "python: demo-0.1.dist-info/entry_points.txt: [console_scripts] demo = demo.cli:main: the installer writes a "
+        "Python launcher for it (1 code line(s))",
+        *CLEAN_SMALL,
+    ])  # fmt: skip
+
+
+def test_audit_caps_what_it_reads(tmp_path: Path) -> None:
+    import importlib
+
+    caps = importlib.import_module("release.audit")
+    member, total = caps.MAX_MEMBER_BYTES, caps.MAX_TOTAL_BYTES
+    wheel = small_wheel(tmp_path, [("demo/big.bin", bytes(member + 1))])
+    assert audit_small(wheel) == (1, [
+        f"size: demo/big.bin: {member + 1} bytes uncompressed; expected at most {member} per member; not read",
+        "record: not verified: members were not read (size: or read: above)",
+        *CLEAN_SMALL,
+    ])  # fmt: skip
+    # Each member under the cap, together over it: reading stops at the cap (4 KiB each left for the metadata).
+    chunk = bytes(member - 4096)
+    fit = total // member
+    assert fit * member <= total < (fit + 1) * len(chunk)
+    parts = [(f"demo/part{i}.bin", chunk) for i in range(fit + 1)]
+    many = small_wheel(tmp_path / "many", parts)
+    status, problems = audit_small(many)
+    last = parts[-1][0]
+    assert (status, problems) == (1, [
+        f"size: {last}: the members reach more than {total} bytes uncompressed in total; expected at most {total}; "
+        "this member and the rest not read",
+        "record: not verified: members were not read (size: or read: above)",
+        *CLEAN_SMALL,
+    ])  # fmt: skip
+    crowd = small_wheel(tmp_path / "crowd", [(f"demo/{i}.txt", b"") for i in range(caps.MAX_MEMBERS)])
+    status, problems = audit_small(crowd)
+    assert (status, problems[0]) == (1, f"size: the wheel holds {caps.MAX_MEMBERS + 3} members; expected at most "
+                                        f"{caps.MAX_MEMBERS}; none read")
+
+
+def test_audit_does_not_trust_a_zip_header_that_understates_a_size(tmp_path: Path) -> None:
+    wheel = small_wheel(tmp_path, [("demo/lies.bin", b"A" * 4096)])
+    data = bytearray(wheel.read_bytes())
+    with zipfile.ZipFile(wheel) as zf:
+        local = zf.getinfo("demo/lies.bin").header_offset
+    central = data.index(b"demo/lies.bin", local + 31) - 46  # the name again: in its central directory entry
+    assert data[local:local + 4] == b"PK\x03\x04" and data[central:central + 4] == b"PK\x01\x02"
+    for size_field in (local + 22, central + 24):
+        data[size_field:size_field + 4] = (16).to_bytes(4, "little")  # 16 bytes uncompressed, both headers say
+    wheel.write_bytes(bytes(data))
+    status, problems = audit_small(wheel)
+    assert status == 1
+    assert problems[0] == "read: demo/lies.bin: cannot be read (Bad CRC-32 for file 'demo/lies.bin'); not read"
+
+
+def test_audit_reports_a_wheel_file_name_it_cannot_parse(tmp_path: Path) -> None:
+    wheel = small_wheel(tmp_path, [("demo/notes.txt", b"words\n")], name="evil.whl")
+    assert audit_small(wheel) == (1, [
+        "record: not verified: the wheel's file name evil.whl is not NAME-VERSION(-BUILD)-PY-ABI-PLATFORM.whl",
+        *CLEAN_SMALL,
+    ])  # fmt: skip
