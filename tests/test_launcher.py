@@ -111,6 +111,22 @@ def test_bad_usage_exits_2(args: list[str], message: str) -> None:
     assert message in done.stderr
 
 
+@pytest.mark.parametrize("command", ["apply", "check", "revert", "status"])
+@pytest.mark.parametrize("option", ["--vllm", "--patches"])
+@pytest.mark.parametrize("spelled", ["joined", "separate"])
+def test_an_empty_option_value_is_bad_usage(site: Path, command: str, option: str, spelled: str) -> None:
+    """`--vllm=` / `--vllm ""` (a variable that expanded to nothing) must not fall back to another directory or read as
+    a missing series: exit 2 naming the option, before any file is read."""
+    before = digest(site)
+    value = [f"{option}="] if spelled == "joined" else [option, ""]
+    other = ["--patches", str(DEFAULT_PATCHES)] if option == "--vllm" else ["--vllm", str(site)]
+    done = akv("patch", command, *value, *other)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.startswith("usage: activekv patch"), done.stderr
+    assert done.stderr.endswith(f"error: {option} needs DIR, got an empty value\n"), done.stderr
+    assert digest(site) == before
+
+
 # ------------------------------------------------------------------------------------------ patch: installed package
 
 

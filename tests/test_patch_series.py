@@ -271,6 +271,15 @@ def test_bad_vllm_dir_is_refused(tmp_path: Path) -> None:
     assert "holds no vllm package" in done.stderr
 
 
+@pytest.mark.parametrize("option", ["--vllm", "--patches"])
+@pytest.mark.parametrize("spelled", ["joined", "separate"])
+def test_an_empty_dir_option_is_bad_usage(option: str, spelled: str) -> None:
+    """`--vllm ""` read as Path(""), the current directory, which then was patched if it held vllm/."""
+    done = tool("status", *([f"{option}="] if spelled == "joined" else [option, ""]))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.endswith(f"error: argument {option}: needs DIR, got an empty value\n"), done.stderr
+
+
 # -------------------------------------------------------------------------------------------------- the new module
 
 

@@ -93,6 +93,13 @@ class Series:
         return list(seen)
 
 
+def _dir_arg(value: str) -> Path:
+    """An option's DIR: ``Path("")`` is the current directory, never what an empty ``--vllm=`` meant."""
+    if not value:
+        raise argparse.ArgumentTypeError("needs DIR, got an empty value")
+    return Path(value)
+
+
 def default_vllm_root() -> Path:
     """The directory holding the ``vllm`` package that this interpreter imports (found without importing it)."""
     spec = importlib.util.find_spec("vllm")
@@ -101,7 +108,7 @@ def default_vllm_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations))).resolve().parent
 
 
-def resolve_root(arg: str | None) -> Path:
+def resolve_root(arg: str | Path | None) -> Path:
     """``--vllm DIR`` to the directory holding ``vllm/``; accepts the ``vllm/`` package directory itself."""
     if arg is None:
         return default_vllm_root()
@@ -299,9 +306,11 @@ def export(work: Path, base: str | None, patch_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.vllm_patch", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["apply", "check", "revert", "status", "export"])
-    parser.add_argument("--vllm", metavar="DIR", help="directory holding vllm/ (default: this interpreter's)")
-    parser.add_argument("--patches", metavar="DIR", type=Path, default=DEFAULT_PATCHES, help="patch series directory")
-    parser.add_argument("--from", dest="work", metavar="GIT_TREE", type=Path, help="export: the edited git tree")
+    parser.add_argument("--vllm", metavar="DIR", type=_dir_arg, help="directory holding vllm/ (default: this "
+                        "interpreter's)")
+    parser.add_argument("--patches", metavar="DIR", type=_dir_arg, default=DEFAULT_PATCHES,
+                        help="patch series directory")
+    parser.add_argument("--from", dest="work", metavar="GIT_TREE", type=_dir_arg, help="export: the edited git tree")
     parser.add_argument("--base", metavar="REV", help="export: the unpatched commit (default: the root commit)")
     args = parser.parse_args(argv)
     try:
