@@ -230,6 +230,72 @@ def test_git_reaped_behind_the_launchers_back_is_an_error_not_applied(site: Path
     assert akv("patch", "check", "--vllm", str(site)).stdout.startswith("not applied: ")
 
 
+# ------------------------------------------------------------------------------------------- patch: hostile input
+
+# Hostile files are read under a cap on address space, so a reader that does not stop (a symlink to /dev/zero read to
+# its end) fails the test with an allocation error instead of exhausting the shared machine's memory.
+ADDRESS_SPACE_CAP = 2 << 30
+
+
+def akv_capped(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    def cap() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_CAP, ADDRESS_SPACE_CAP))
+
+    return subprocess.run([str(LAUNCHER), *args], capture_output=True, text=True, timeout=timeout,
+                          env=child_env(), preexec_fn=cap)
+
+
+def version_tree(root: Path, version_py: str) -> Path:
+    """The least tree `patch status` reads: vllm/__init__.py and vllm/_version.py holding ``version_py``."""
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    (root / "vllm" / "_version.py").write_bytes(version_py.encode())
+    return root
+
+
+LONG = 40_000  # over the 30 kB at which std::regex's recursion overflowed the launcher's stack on one line
+
+
+@pytest.mark.parametrize("version_py, version", [
+    # vcs-versioning's own form (vLLM 0.32.0's file), and the other spellings Python accepts
+    ("version: str\n__version__: str\n__version__ = version = '0.33.0'\n", "0.33.0"),
+    ('__version__ = "0.33.0"\n', "0.33.0"),
+    ("__version__='0.33.0'", "0.33.0"),
+    ("__version__ =\t'0.33.0'  # a comment\n", "0.33.0"),
+    ("__version__ = version\t=\t'0.33.0'\n", "0.33.0"),
+    ("__version__ = '0.33.0'\r\n", "0.33.0"),  # CRLF, as Python reads it
+    ("__version__ = '0.33.0'\n__version__ = '0.34.0'\n", "0.33.0"),  # the first one
+    ("__version__ = '0.33.0'  # " + "x" * LONG + "\n", "0.33.0"),  # a long line: read, not a crash
+    ("# " + "x" * (10 * LONG) + "\n__version__ = '0.33.0'\n", "0.33.0"),
+    ("__version__ = '" + "1" * LONG + "'\n", "1" * LONG),
+    # no version: each is "no __version__", never another reading
+    ("__version__: str\n", None),
+    ("  __version__ = '0.33.0'\n", None),  # indented: not the module's assignment
+    ("__version__ = ''\n", None),
+    ("__version__ = '0.33.0\n", None),  # unterminated
+    ("__version__ == '0.33.0'\n", None),
+    ("__version__ = versions = '0.33.0'\n", None),
+    ("__version__ = 0.33\n", None),
+    ("__version_tuple__ = (0, 33, 0)\n", None),
+    ("__version__ = '" + "1" * LONG + "\n", None),
+    ("", None),
+], ids=lambda v: v if len(v or "") < 40 else f"{len(v)} chars")
+def test_the_version_line_is_read_as_python_writes_it(tmp_path: Path, version_py: str, version: str | None) -> None:
+    """vllm/_version.py is read, not imported: the first line `__version__ = ['version =] 'X'` (either quote) names
+    the version. Lines of any length are read without a crash (std::regex overflowed the stack on one of 30 kB)."""
+    tree = version_tree(tmp_path / "site", version_py)
+    done = akv_capped("patch", "status", "--vllm", str(tree))
+    assert done.returncode in (0, 1), (done.returncode, done.stderr[-2000:])  # a signal is negative
+    if version is None:
+        assert (done.returncode, done.stdout) == (1, ""), done.stdout[:2000]
+        assert done.stderr == f"error: no __version__ in {tree}/vllm/_version.py\n"
+    else:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.splitlines()[0].endswith(f": vLLM {version} at {tree}"), done.stdout[:2000]
+
+
 # -------------------------------------------------------------------------------------------------- patch: checkout
 
 

