@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import re
 import shutil
 import signal
@@ -338,6 +339,19 @@ def test_the_markers_digest_is_fnv1a64_and_16_lowercase_hex_digits(tmp_path: Pat
         assert not out.startswith(refused) and f"{VERIFIED} did not spare this check" in out, out
     else:
         assert out.startswith(refused) and "(state= is not fnv1a64: and 16 lowercase hex digits)" in out, out
+
+
+def test_a_fifo_named_like_the_series_file_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    """The module's check reads the series with the launcher's reader: a FIFO named `series` (which blocked the
+    open until a writer came) is refused at once, in the check and in the marker (a child with a timeout)."""
+    series_dir = tmp_path / "series"
+    shutil.copytree(INSTALLED_SERIES, series_dir)
+    (series_dir / "series").unlink()
+    os.mkfifo(series_dir / "series")
+    lines = checked_in_a_child(bare_tree(tmp_path / "site"), series_dir)
+    expected = (f"cannot read {series_dir}/series: expected a regular file of at most 16 MiB (16777216 bytes), got "
+                "a FIFO")
+    assert len(lines) == 2 and all(line.startswith("RuntimeError: ") and expected in line for line in lines), lines
 
 
 # ------------------------------------------------------------------- start-up: the vLLM the process imported

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes.util
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -294,6 +295,43 @@ def test_the_version_line_is_read_as_python_writes_it(tmp_path: Path, version_py
     else:
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.splitlines()[0].endswith(f": vLLM {version} at {tree}"), done.stdout[:2000]
+
+
+def hostile_series(dest: Path, lines: list[bytes]) -> Path:
+    """A copy of the installed series whose `series` file holds ``lines``."""
+    shutil.copytree(DEFAULT_PATCHES, dest)
+    (dest / "series").write_bytes(b"".join(line + b"\n" for line in lines))
+    return dest
+
+
+SERIES_NAMES = [p.name.encode() for p in SERIES.patches]
+
+
+@pytest.mark.parametrize("which", ["series", "patch", "_version.py"])
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "over the cap"])
+def test_a_file_that_is_no_regular_file_or_too_large_is_an_error_not_a_hang(
+        site: Path, tmp_path: Path, which: str, kind: str) -> None:
+    """The files `activekv patch` reads (the series file, each patch, vllm/_version.py) are opened without blocking
+    and read only when they are regular files of at most 16 MiB: a FIFO named like one does not hang the launcher, a
+    symlink to /dev/zero does not exhaust memory, a file over the cap is named with the cap."""
+    series_dir = hostile_series(tmp_path / "series", SERIES_NAMES)
+    target = {"series": series_dir / "series", "patch": series_dir / SERIES.patches[1].name,
+              "_version.py": site / "vllm" / "_version.py"}[which]
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+        got = "a FIFO"
+    elif kind == "/dev/zero":
+        target.symlink_to("/dev/zero")
+        got = "a character device"
+    else:
+        with target.open("wb") as f:
+            f.truncate((16 << 20) + 1)  # sparse: no 16 MiB written
+        got = f"{(16 << 20) + 1} bytes"
+    done = akv_capped("patch", "status", "--vllm", str(site), "--patches", str(series_dir), timeout=60)
+    assert (done.returncode, done.stdout) == (1, ""), (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.stderr == (f"error: cannot read {target}: expected a regular file of at most 16 MiB (16777216 bytes), "
+                           f"got {got}\n"), done.stderr
 
 
 # -------------------------------------------------------------------------------------------------- patch: checkout

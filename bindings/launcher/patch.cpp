@@ -68,13 +68,11 @@ void refuse_dirty(const Tree& tree) {
 
 using Snapshot = std::map<std::string, std::optional<std::string>>;
 
+/// Every file the series touches, as it is (nullopt: absent). Throws PatchError, before anything changed, for one it
+/// cannot read back (not a regular file, over series::kMaxFileBytes): a file left out would be deleted by restore().
 Snapshot snapshot(const Tree& tree, const Series& series) {
   Snapshot snap;
-  for (const auto& rel : series.touched_files()) {
-    std::string data;
-    const std::string path = join(tree.root(), rel);
-    snap[rel] = is_file(path) && read_file(path, data) ? std::optional<std::string>(data) : std::nullopt;
-  }
+  for (const auto& rel : series.touched_files()) snap[rel] = series::read_file_if_exists(join(tree.root(), rel));
   return snap;
 }
 

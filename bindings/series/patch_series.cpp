@@ -14,9 +14,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <optional>
-#include <sstream>
 #include <string_view>
 #include <utility>
 
@@ -110,7 +108,78 @@ bool digest_form(std::string_view s) {
   return true;
 }
 
+const char* file_kind(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "a file of another kind";
+}
+
+/// "" when `st` is a regular file of at most kMaxFileBytes, else what it is instead ("a FIFO", "20000000 bytes").
+std::string unreadable_kind(const struct stat& st) {
+  if (!S_ISREG(st.st_mode)) return file_kind(st.st_mode);
+  if (static_cast<unsigned long long>(st.st_size) > kMaxFileBytes) return std::to_string(st.st_size) + " bytes";
+  return "";
+}
+
+PatchError not_readable(const std::string& path, const std::string& got) {
+  return PatchError("cannot read " + path + ": expected a regular file of at most " +
+                    std::to_string(kMaxFileBytes >> 20) + " MiB (" + std::to_string(kMaxFileBytes) + " bytes), got " +
+                    got);
+}
+
+PatchError read_failed(const std::string& path, int err) {
+  return PatchError("cannot read " + path + ": " + std::strerror(err));
+}
+
+/// Closes a descriptor on every way out.
+struct Fd {
+  int fd;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
 }  // namespace
+
+std::optional<std::string> read_file_if_exists(const std::string& path) {
+  struct stat st {};
+  // stat first: a device is never opened (opening one can do more than reading it would).
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return std::nullopt;
+    throw read_failed(path, errno);
+  }
+  if (const std::string got = unreadable_kind(st); !got.empty()) throw not_readable(path, got);
+  // The path may have been replaced since: what is read is what fstat sees on the descriptor.
+  const Fd f{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY)};
+  if (f.fd < 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return std::nullopt;
+    throw read_failed(path, errno);
+  }
+  if (::fstat(f.fd, &st) != 0) throw read_failed(path, errno);
+  if (const std::string got = unreadable_kind(st); !got.empty()) throw not_readable(path, got);
+  std::string out;
+  out.reserve(static_cast<size_t>(st.st_size));
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(f.fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw read_failed(path, errno);
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    if (out.size() > kMaxFileBytes) throw not_readable(path, "more than " + std::to_string(kMaxFileBytes) +
+                                                                 " bytes (it grew while read)");
+  }
+  return out;
+}
+
+std::string read_regular_file(const std::string& path) {
+  std::optional<std::string> text = read_file_if_exists(path);
+  if (!text) throw read_failed(path, ENOENT);
+  return std::move(*text);
+}
 
 bool is_file(const std::string& path) {
   struct stat st {};
@@ -135,12 +204,14 @@ std::string join(const std::string& a, const std::string& b) {
 }
 
 bool read_file(const std::string& path, std::string& out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  out = buf.str();
-  return static_cast<bool>(in) || in.eof();
+  try {
+    std::optional<std::string> text = read_file_if_exists(path);
+    if (!text) return false;
+    out = std::move(*text);
+    return true;
+  } catch (const PatchError&) {
+    return false;
+  }
 }
 
 std::string real_path(const std::string& path) {
@@ -167,21 +238,28 @@ const char* state_name(State s) {
 }
 
 Series Series::load(const std::string& directory) {
-  std::string text;
-  if (!read_file(join(directory, "series"), text)) throw PatchError("no series file in " + directory);
+  const std::string series_file = join(directory, "series");
+  const std::optional<std::string> text = read_file_if_exists(series_file);
+  if (!text) throw PatchError("no series file in " + directory);
   Series s{directory, {}};
-  std::istringstream lines(text);
-  std::string line;
+  Lines lines(*text);
+  std::string_view line;
   std::string missing;
-  while (std::getline(lines, line)) {
+  while (lines.next(line)) {
     const auto b = line.find_first_not_of(" \t\r");
-    if (b == std::string::npos || line[b] == '#') continue;
-    const auto e = line.find_last_not_of(" \t\r");
-    s.names.push_back(line.substr(b, e - b + 1));
-    if (!is_file(s.path(s.names.size() - 1))) missing += (missing.empty() ? "" : ", ") + s.names.back();
+    if (b == std::string_view::npos || line[b] == '#') continue;
+    s.names.emplace_back(line.substr(b, line.find_last_not_of(" \t\r") - b + 1));
+    const std::string patch = s.path(s.names.size() - 1);
+    struct stat st {};
+    if (::stat(patch.c_str(), &st) != 0) {
+      if (errno != ENOENT && errno != ENOTDIR) throw read_failed(patch, errno);
+      missing += (missing.empty() ? "" : ", ") + s.names.back();
+    } else if (const std::string got = unreadable_kind(st); !got.empty()) {
+      throw not_readable(patch, got);  // git and touched_files() read it: a FIFO would hang both
+    }
   }
-  if (!missing.empty()) throw PatchError(join(directory, "series") + " names missing patch files: " + missing);
-  if (s.names.empty()) throw PatchError(join(directory, "series") + " lists no patch");
+  if (!missing.empty()) throw PatchError(series_file + " names missing patch files: " + missing);
+  if (s.names.empty()) throw PatchError(series_file + " lists no patch");
   return s;
 }
 
@@ -193,8 +271,7 @@ std::vector<std::string> Series::touched_files() const {
     seen.emplace_back(p);
   };
   for (size_t i = 0; i < names.size(); ++i) {
-    std::string text;
-    read_file(path(i), text);
+    const std::string text = read_regular_file(path(i));
     Lines lines(text);
     std::string_view line;
     while (lines.next(line)) {
@@ -208,8 +285,7 @@ std::vector<std::string> Series::touched_files() const {
 }
 
 std::string Series::subject(size_t i) const {
-  std::string text;
-  read_file(path(i), text);
+  const std::string text = read_regular_file(path(i));
   Lines lines(text);
   std::string_view line;
   while (lines.next(line)) {
@@ -310,9 +386,9 @@ Tree resolve_tree(const std::string& arg) { return tree_at(tree_root(arg)); }
 
 std::string vllm_version(const Tree& tree) {
   const std::string file = join(tree.root(), "vllm/_version.py");
-  std::string text;
-  if (!read_file(file, text)) throw PatchError("cannot read the vLLM version: no " + file);
-  Lines lines(text);
+  const std::optional<std::string> text = read_file_if_exists(file);
+  if (!text) throw PatchError("cannot read the vLLM version: no " + file);
+  Lines lines(*text);
   std::string_view line;
   while (lines.next(line)) {
     if (const auto version = version_in_line(line)) return std::string(*version);
@@ -384,21 +460,15 @@ class Fnv1a64 {
   uint64_t h_ = 14695981039346656037ULL;
 };
 
-std::string read_or_throw(const std::string& path) {
-  std::string text;
-  if (!read_file(path, text)) throw PatchError("cannot read " + path);
-  return text;
-}
-
 }  // namespace
 
 std::string state_digest(const std::string& root, const Series& series) {
   Fnv1a64 h;
   h.field(series_vllm_version());
-  h.field(read_or_throw(join(series.directory, "series")));
+  h.field(read_regular_file(join(series.directory, "series")));
   for (size_t i = 0; i < series.names.size(); ++i) {
     h.field(series.names[i]);
-    h.field(read_or_throw(series.path(i)));
+    h.field(read_regular_file(series.path(i)));
   }
   std::vector<std::string> files{"vllm/_version.py"};
   for (const auto& rel : series.touched_files()) files.push_back(rel);
@@ -411,7 +481,7 @@ std::string state_digest(const std::string& root, const Series& series) {
       h.field("absent");
     } else if (S_ISREG(st.st_mode)) {
       h.field((st.st_mode & S_IXUSR) != 0 ? "file 755" : "file 644");  // git records only the owner's x bit
-      h.field(read_or_throw(path));
+      h.field(read_regular_file(path));
     } else if (S_ISLNK(st.st_mode)) {
       std::string target(PATH_MAX, '\0');
       const ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
@@ -533,8 +603,7 @@ std::string names_with(const Check& c, State which) {
 std::string added_files_present(const Check& c) {
   std::string out;
   for (size_t i = 0; i < c.names.size(); ++i) {
-    std::string text;
-    read_file(join(c.series_dir, c.names[i]), text);
+    const std::string text = read_regular_file(join(c.series_dir, c.names[i]));
     Lines lines(text);
     std::string_view line;
     std::string current;
