@@ -354,6 +354,18 @@ def test_a_fifo_named_like_the_series_file_is_an_error_not_a_hang(tmp_path: Path
     assert len(lines) == 2 and all(line.startswith("RuntimeError: ") and expected in line for line in lines), lines
 
 
+def test_a_series_entry_outside_the_series_folder_is_refused_by_the_check(tmp_path: Path) -> None:
+    """The module's check loads the series with the launcher's loader (tests/test_launcher.py has every kind of
+    entry): `../outside.patch` is named, and nothing from outside the folder is compared."""
+    series_dir = tmp_path / "series"
+    shutil.copytree(INSTALLED_SERIES, series_dir)
+    shutil.copy2(INSTALLED_SERIES / NAMES[0], tmp_path / "outside.patch")
+    (series_dir / "series").write_text("../outside.patch\n" + "".join(f"{n}\n" for n in NAMES))
+    assert (f"{series_dir}/series, line 1: expected the file name of a patch in {series_dir} (ending in .patch, no "
+            "'/', no control character, each listed once), got '../outside.patch' (a path, not a file name); list the "
+            "series' own patch files by name") in raises(bare_tree(tmp_path / "site"), series_dir)
+
+
 # ------------------------------------------------------------------- start-up: the vLLM the process imported
 
 

@@ -307,6 +307,45 @@ def hostile_series(dest: Path, lines: list[bytes]) -> Path:
 SERIES_NAMES = [p.name.encode() for p in SERIES.patches]
 
 
+@pytest.mark.parametrize("entry, shown, why", [
+    (b"../outside.patch", "../outside.patch", "a path, not a file name"),
+    (b"{outside}", "{outside}", "a path, not a file name"),
+    (b"sub/0001-x.patch", "sub/0001-x.patch", "a path, not a file name"),
+    (b"0001-x.patch\0/../../outside.patch", "0001-x.patch\\x00/../../outside.patch", "a control character"),
+    (b"0001-x\x1b[2J.patch", "0001-x\\x1b[2J.patch", "a control character"),
+    (b"outside.diff", "outside.diff", "no .patch ending"),
+    (b".patch", ".patch", "an empty name before .patch"),
+    (b"..", "..", "a path, not a file name"),
+    (None, "{first}", "listed twice"),
+])
+def test_a_series_entry_that_is_not_a_patch_file_name_is_refused_before_anything_is_applied(
+        site: Path, tmp_path: Path, entry: bytes | None, shown: str, why: str) -> None:
+    """A `series` file is a list of the patch files in its own folder: an entry that leads elsewhere (`../x.patch`,
+    an absolute path, a subfolder), hides a NUL or a control character, does not end in `.patch`, or repeats a
+    patch, is refused with the entry named (`git apply` would have applied a patch from outside the series)."""
+    outside = tmp_path / "outside.patch"
+    shutil.copy2(SERIES.patches[0], outside)  # a patch that applies: nothing must apply it
+    (tmp_path / "outside.diff").write_bytes(SERIES.patches[0].read_bytes())
+    series_dir = tmp_path / "series"
+    entry = SERIES_NAMES[0] if entry is None else entry.replace(b"{outside}", bytes(outside))
+    lines = [SERIES_NAMES[0], entry] if entry == SERIES_NAMES[0] else [entry, *SERIES_NAMES]
+    hostile_series(series_dir, lines)
+    shown = shown.replace("{outside}", str(outside)).replace("{first}", SERIES_NAMES[0].decode())
+    if b"/" in entry and not entry.startswith(b"/"):
+        (series_dir / "sub").mkdir()
+        shutil.copy2(SERIES.patches[0], series_dir / "sub" / "0001-x.patch")
+    before = digest(site)
+    for command in ("apply", "status"):
+        done = akv("patch", command, "--vllm", str(site), "--patches", str(series_dir))
+        assert (done.returncode, done.stdout) == (1, ""), done.stdout
+        line = 2 if entry == SERIES_NAMES[0] else 1
+        assert done.stderr == (
+            f"error: {series_dir}/series, line {line}: expected the file name of a patch in {series_dir} (ending in "
+            f".patch, no '/', no control character, each listed once), got '{shown}' ({why}); list the series' "
+            "own patch files by name\n"), done.stderr
+    assert digest(site) == before
+
+
 @pytest.mark.parametrize("which", ["series", "patch", "_version.py"])
 @pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "over the cap"])
 def test_a_file_that_is_no_regular_file_or_too_large_is_an_error_not_a_hang(

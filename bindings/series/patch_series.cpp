@@ -45,6 +45,10 @@ bool consume(std::string_view& s, std::string_view prefix) {
   return true;
 }
 
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
 /// The lines of a text as std::getline splits them (at '\n'; a last line without '\n' is a line, an empty text has
 /// none), each without a final '\r' (CRLF files read as Python reads them). Views into the text, no copies.
 class Lines {
@@ -106,6 +110,37 @@ bool digest_form(std::string_view s) {
     if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
   }
   return true;
+}
+
+/// `s` for a message: each control character (NUL included) as \xNN, so an entry shows what it holds.
+std::string shown(std::string_view s) {
+  std::string out;
+  for (const unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      char buf[5];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
+/// Why `name` (a trimmed, non-comment line of a series file) is no patch file name of the series' own folder ("" when
+/// it is one). A name with '/' would reach out of the folder (`../x.patch`, an absolute path), and at a NUL the path
+/// that stat and git see would end before the listed name does.
+std::string entry_problem(std::string_view name, const std::vector<std::string>& earlier) {
+  for (const unsigned char c : name) {
+    if (c < 0x20 || c == 0x7f) return "a control character";
+  }
+  if (name.find('/') != std::string_view::npos || name == "." || name == "..") return "a path, not a file name";
+  if (!ends_with(name, ".patch")) return "no .patch ending";
+  if (name == ".patch") return "an empty name before .patch";
+  for (const auto& e : earlier) {
+    if (e == name) return "listed twice";
+  }
+  return "";
 }
 
 const char* file_kind(mode_t mode) {
@@ -245,10 +280,16 @@ Series Series::load(const std::string& directory) {
   Lines lines(*text);
   std::string_view line;
   std::string missing;
-  while (lines.next(line)) {
+  for (size_t number = 1; lines.next(line); ++number) {
     const auto b = line.find_first_not_of(" \t\r");
     if (b == std::string_view::npos || line[b] == '#') continue;
-    s.names.emplace_back(line.substr(b, line.find_last_not_of(" \t\r") - b + 1));
+    const std::string_view name = line.substr(b, line.find_last_not_of(" \t\r") - b + 1);
+    if (const std::string why = entry_problem(name, s.names); !why.empty()) {
+      throw PatchError(series_file + ", line " + std::to_string(number) + ": expected the file name of a patch in " +
+                       directory + " (ending in .patch, no '/', no control character, each listed once), got '" +
+                       shown(name) + "' (" + why + "); list the series' own patch files by name");
+    }
+    s.names.emplace_back(name);
     const std::string patch = s.path(s.names.size() - 1);
     struct stat st {};
     if (::stat(patch.c_str(), &st) != 0) {

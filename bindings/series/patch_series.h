@@ -60,8 +60,11 @@ struct Series {
   std::string path(size_t i) const { return join(directory, names[i]); }
 
   /// Reads directory/series: one patch file name a line, trimmed of spaces, tabs and CRs; blank lines and '#'
-  /// comments skipped; each must name a regular file of at most kMaxFileBytes. Throws PatchError: no series file (or
-  /// one read_file_if_exists refuses), a listed patch missing or not a regular file, an empty list.
+  /// comments skipped. Each name must be a file name in `directory` ending in .patch (no '/', not "." or "..", no
+  /// control character, NUL included; not ".patch" alone), listed once, naming a regular file of at most
+  /// kMaxFileBytes. Throws PatchError before anything else reads the series: no series file (or one read_file_if_exists
+  /// refuses), an entry that is no such name (its line and the entry, control characters as \xNN), a listed patch
+  /// missing or not a regular file, an empty list.
   static Series load(const std::string& directory);
 
   /// Paths relative to the tree root that the series creates or changes, in first-seen order: both names of each
