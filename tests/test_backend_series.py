@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import re
 import shutil
 import signal
@@ -212,6 +213,157 @@ def test_a_process_ignoring_sigchld_is_an_error_not_a_pass(tmp_path: Path) -> No
     out = run_python(code, str(site), timeout=120)
     assert "cannot wait for git" in out and "is SIGCHLD ignored in this process?" in out, out
     assert signal.getsignal(signal.SIGCHLD) != signal.SIG_IGN  # this process was left alone
+
+
+# ---------------------------------------------------------------------------------------------- hostile input
+
+
+def bare_tree(root: Path, version_py: str = "__version__ = version = '0.32.0'\n") -> Path:
+    """The least tree the check reads: vllm/__init__.py and vllm/_version.py (no file the series touches)."""
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    (root / "vllm" / "_version.py").write_text(version_py)
+    return root
+
+
+def one_patch_series(dest: Path, patch: str) -> Path:
+    dest.mkdir(parents=True)
+    (dest / "series").write_text("0001-hostile.patch\n")
+    (dest / "0001-hostile.patch").write_text(patch)
+    return dest
+
+
+# What each check prints in its own process (a crash there is a signal, not a failed assertion in this one).
+CHECK_IN_A_CHILD = """
+import sys, torch
+from activekv import _backend
+for call in (lambda: _backend.check_patch_series(sys.argv[1], sys.argv[2]),
+             lambda: _backend.verified_marker(sys.argv[1], sys.argv[2])):
+    try:
+        print("returned", call())
+    except RuntimeError as e:
+        print("RuntimeError:", str(e)[:300])
+"""
+
+
+def checked_in_a_child(tree: Path, series_dir: Path) -> list[str]:
+    return run_python(CHECK_IN_A_CHILD, str(tree), str(series_dir), timeout=120).splitlines()
+
+
+def test_a_huge_line_in_version_py_or_in_a_patch_is_read_not_a_crash(tmp_path: Path) -> None:
+    """std::regex recursed once per character and overflowed the stack: a 30 kB line in vllm/_version.py or a 200 kB
+    `diff --git` line in a patch killed the Python process that selected ACTIVEKV (SIGSEGV) instead of raising."""
+    long_version = bare_tree(tmp_path / "long-version", "__version__ = version = '0.33.0'  # " + "x" * 40_000 + "\n")
+    lines = checked_in_a_child(long_version, INSTALLED_SERIES)
+    assert lines[0].startswith(f"RuntimeError: the ACTIVEKV attention backend cannot run on this vLLM: it is vLLM "
+                               f"0.33.0 ({long_version}/vllm)"), lines
+    assert lines[1].startswith("returned v1;vllm=0.32.0;state=fnv1a64:"), lines
+    # A patch that applies neither way (a conflict), so the message looks for the files it adds: every line is read.
+    name = "vllm/" + "a" * 200_000 + ".py"
+    hostile = one_patch_series(tmp_path / "series", f"Subject: [PATCH] long\n\ndiff --git a/{name} b/{name}\n"
+                                                    f"--- a/{name}\n+++ b/{name}\n@@ -1 +1 @@\n-a\n+b\n")
+    lines = checked_in_a_child(bare_tree(tmp_path / "site"), hostile)
+    assert lines[0].startswith("RuntimeError: the ACTIVEKV attention backend cannot run on this vLLM: the ActiveKV "
+                               "patch series is partially applied"), lines
+    # The digest stats the file the line names: a name no file system holds is an error saying so.
+    assert lines[1].startswith(f"RuntimeError: cannot compute the {VERIFIED} value for "), lines
+
+
+CANDIDATES = ["vllm/x.py", "vllm/y.py", "vllm/b/x.py", "vllm/x.py\r", "vllm/x.py\t", "vllm/x.py "]
+
+
+@pytest.mark.parametrize("line, touched", [
+    ("diff --git a/vllm/x.py b/vllm/x.py", {"vllm/x.py"}),
+    ("diff --git a/vllm/x.py b/vllm/y.py", {"vllm/x.py", "vllm/y.py"}),  # a rename: both sides
+    ("diff --git a/vllm/b/x.py b/vllm/b/x.py", {"vllm/b/x.py"}),  # " b/" is found after the first name, not inside
+    ("diff --git a/vllm/x.py b/vllm/x.py\r", {"vllm/x.py"}),  # CRLF, as tools/vllm_patch.py reads it
+    ("diff --git a/vllm/x.py  b/vllm/x.py", set()),  # two spaces
+    ("diff --git a/vllm/x.py\tb/vllm/x.py", set()),
+    ("diff --git a/vllm/x.py b/vllm/x.py ", set()),  # trailing space
+    ("diff --git a/vllm/x.py b/vllm/y.py b/vllm/x.py", set()),  # a name with a space: git quotes those
+    ("diff --git a/ b/vllm/x.py", set()),
+    ("diff --git a/vllm/x.py b/", set()),
+    ("diff --git a/vllm/x.py", set()),
+    ("diff --git  a/vllm/x.py b/vllm/x.py", set()),
+    (" diff --git a/vllm/x.py b/vllm/x.py", set()),  # not at the start of the line: a context line
+    ("+diff --git a/vllm/x.py b/vllm/x.py", set()),
+    ("diff --git a/vllm/x.py c/vllm/y.py", set()),
+])
+def test_the_files_a_patch_touches_are_read_from_its_diff_git_lines(tmp_path: Path, line: str,
+                                                                     touched: set[str]) -> None:
+    """Series::touched_files (the files the launcher snapshots before `git apply` and the marker's digest covers):
+    `diff --git a/OLD b/NEW` at the start of a line, OLD and NEW without whitespace. Read through the marker: a file
+    is touched when creating it changes the digest."""
+    tree = bare_tree(tmp_path / "site")
+    series_dir = one_patch_series(tmp_path / "series", f"Subject: [PATCH] x\n\n{line}\n@@ -1 +1 @@\n")
+    got = set()
+    for rel in CANDIDATES:
+        before = _backend.verified_marker(str(tree), str(series_dir))
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text("created\n")
+        if _backend.verified_marker(str(tree), str(series_dir)) != before:
+            got.add(rel)
+    assert got == touched
+
+
+FAKE_VLLM_STARTUP = """
+import sys, types, torch
+from activekv import _backend
+vllm = types.ModuleType("vllm")  # stands for the imported vLLM: the marker is read before any file of it
+vllm.__file__ = sys.argv[1] + "/vllm/__init__.py"
+sys.modules["vllm"] = vllm
+try:
+    _backend.Impl(4, 32, 0.1, 2)
+    print("started")
+except RuntimeError as e:
+    print("RuntimeError:", e)
+"""
+
+
+@pytest.mark.parametrize("state, ok", [
+    ("fnv1a64:0123456789abcdef", True),
+    ("fnv1a64:0123456789ABCDEF", False),  # lowercase only: the form format_verified writes
+    ("fnv1a64:0123456789abcde", False),
+    ("fnv1a64:0123456789abcdef0", False),
+    ("fnv1a64:0123456789abcdeg", False),
+    ("fnv1a64:", False),
+    ("FNV1A64:0123456789abcdef", False),
+    ("fnv1a640123456789abcdef", False),
+])
+def test_the_markers_digest_is_fnv1a64_and_16_lowercase_hex_digits(tmp_path: Path, state: str, ok: bool) -> None:
+    value = f"v1;vllm=0.32.0;state={state};tree={tmp_path};series={INSTALLED_SERIES}"
+    env = child_env("ACTIVEKV_SKIP_PATCH_CHECK", **{VERIFIED: value})
+    out = run_python(FAKE_VLLM_STARTUP, str(tmp_path), env=env, timeout=120).strip()
+    refused = f"RuntimeError: {VERIFIED} must be the value `activekv serve` exports"
+    if ok:  # accepted as a marker: it names another tree, so the check runs (and finds no vllm here)
+        assert not out.startswith(refused) and f"{VERIFIED} did not spare this check" in out, out
+    else:
+        assert out.startswith(refused) and "(state= is not fnv1a64: and 16 lowercase hex digits)" in out, out
+
+
+def test_a_fifo_named_like_the_series_file_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    """The module's check reads the series with the launcher's reader: a FIFO named `series` (which blocked the
+    open until a writer came) is refused at once, in the check and in the marker (a child with a timeout)."""
+    series_dir = tmp_path / "series"
+    shutil.copytree(INSTALLED_SERIES, series_dir)
+    (series_dir / "series").unlink()
+    os.mkfifo(series_dir / "series")
+    lines = checked_in_a_child(bare_tree(tmp_path / "site"), series_dir)
+    expected = (f"cannot read {series_dir}/series: expected a regular file of at most 16 MiB (16777216 bytes), got "
+                "a FIFO")
+    assert len(lines) == 2 and all(line.startswith("RuntimeError: ") and expected in line for line in lines), lines
+
+
+def test_a_series_entry_outside_the_series_folder_is_refused_by_the_check(tmp_path: Path) -> None:
+    """The module's check loads the series with the launcher's loader (tests/test_launcher.py has every kind of
+    entry): `../outside.patch` is named, and nothing from outside the folder is compared."""
+    series_dir = tmp_path / "series"
+    shutil.copytree(INSTALLED_SERIES, series_dir)
+    shutil.copy2(INSTALLED_SERIES / NAMES[0], tmp_path / "outside.patch")
+    (series_dir / "series").write_text("../outside.patch\n" + "".join(f"{n}\n" for n in NAMES))
+    assert (f"{series_dir}/series, line 1: expected the file name of a patch in {series_dir} (ending in .patch, no "
+            "'/', no control character, each listed once), got '../outside.patch' (a path, not a file name); list the "
+            "series' own patch files by name") in raises(bare_tree(tmp_path / "site"), series_dir)
 
 
 # ------------------------------------------------------------------- start-up: the vLLM the process imported

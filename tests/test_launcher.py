@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes.util
 import hashlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -109,6 +110,22 @@ def test_bad_usage_exits_2(args: list[str], message: str) -> None:
     done = akv(*args)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+@pytest.mark.parametrize("command", ["apply", "check", "revert", "status"])
+@pytest.mark.parametrize("option", ["--vllm", "--patches"])
+@pytest.mark.parametrize("spelled", ["joined", "separate"])
+def test_an_empty_option_value_is_bad_usage(site: Path, command: str, option: str, spelled: str) -> None:
+    """`--vllm=` / `--vllm ""` (a variable that expanded to nothing) must not fall back to another directory or read as
+    a missing series: exit 2 naming the option, before any file is read."""
+    before = digest(site)
+    value = [f"{option}="] if spelled == "joined" else [option, ""]
+    other = ["--patches", str(DEFAULT_PATCHES)] if option == "--vllm" else ["--vllm", str(site)]
+    done = akv("patch", command, *value, *other)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr
+    assert done.stderr.startswith("usage: activekv patch"), done.stderr
+    assert done.stderr.endswith(f"error: {option} needs DIR, got an empty value\n"), done.stderr
+    assert digest(site) == before
 
 
 # ------------------------------------------------------------------------------------------ patch: installed package
@@ -212,6 +229,148 @@ def test_git_reaped_behind_the_launchers_back_is_an_error_not_applied(site: Path
     assert done.stderr == ("error: cannot wait for git (its exit status decides the patch series' state): No child "
                            "processes (is SIGCHLD ignored in this process?)\n")
     assert akv("patch", "check", "--vllm", str(site)).stdout.startswith("not applied: ")
+
+
+# ------------------------------------------------------------------------------------------- patch: hostile input
+
+# Hostile files are read under a cap on address space, so a reader that does not stop (a symlink to /dev/zero read to
+# its end) fails the test with an allocation error instead of exhausting the shared machine's memory.
+ADDRESS_SPACE_CAP = 2 << 30
+
+
+def akv_capped(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    def cap() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE_CAP, ADDRESS_SPACE_CAP))
+
+    return subprocess.run([str(LAUNCHER), *args], capture_output=True, text=True, timeout=timeout,
+                          env=child_env(), preexec_fn=cap)
+
+
+def version_tree(root: Path, version_py: str) -> Path:
+    """The least tree `patch status` reads: vllm/__init__.py and vllm/_version.py holding ``version_py``."""
+    (root / "vllm").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text("")
+    (root / "vllm" / "_version.py").write_bytes(version_py.encode())
+    return root
+
+
+LONG = 40_000  # over the 30 kB at which std::regex's recursion overflowed the launcher's stack on one line
+
+
+@pytest.mark.parametrize("version_py, version", [
+    # vcs-versioning's own form (vLLM 0.32.0's file), and the other spellings Python accepts
+    ("version: str\n__version__: str\n__version__ = version = '0.33.0'\n", "0.33.0"),
+    ('__version__ = "0.33.0"\n', "0.33.0"),
+    ("__version__='0.33.0'", "0.33.0"),
+    ("__version__ =\t'0.33.0'  # a comment\n", "0.33.0"),
+    ("__version__ = version\t=\t'0.33.0'\n", "0.33.0"),
+    ("__version__ = '0.33.0'\r\n", "0.33.0"),  # CRLF, as Python reads it
+    ("__version__ = '0.33.0'\n__version__ = '0.34.0'\n", "0.33.0"),  # the first one
+    ("__version__ = '0.33.0'  # " + "x" * LONG + "\n", "0.33.0"),  # a long line: read, not a crash
+    ("# " + "x" * (10 * LONG) + "\n__version__ = '0.33.0'\n", "0.33.0"),
+    ("__version__ = '" + "1" * LONG + "'\n", "1" * LONG),
+    # no version: each is "no __version__", never another reading
+    ("__version__: str\n", None),
+    ("  __version__ = '0.33.0'\n", None),  # indented: not the module's assignment
+    ("__version__ = ''\n", None),
+    ("__version__ = '0.33.0\n", None),  # unterminated
+    ("__version__ == '0.33.0'\n", None),
+    ("__version__ = versions = '0.33.0'\n", None),
+    ("__version__ = 0.33\n", None),
+    ("__version_tuple__ = (0, 33, 0)\n", None),
+    ("__version__ = '" + "1" * LONG + "\n", None),
+    ("", None),
+], ids=lambda v: v if len(v or "") < 40 else f"{len(v)} chars")
+def test_the_version_line_is_read_as_python_writes_it(tmp_path: Path, version_py: str, version: str | None) -> None:
+    """vllm/_version.py is read, not imported: the first line `__version__ = ['version =] 'X'` (either quote) names
+    the version. Lines of any length are read without a crash (std::regex overflowed the stack on one of 30 kB)."""
+    tree = version_tree(tmp_path / "site", version_py)
+    done = akv_capped("patch", "status", "--vllm", str(tree))
+    assert done.returncode in (0, 1), (done.returncode, done.stderr[-2000:])  # a signal is negative
+    if version is None:
+        assert (done.returncode, done.stdout) == (1, ""), done.stdout[:2000]
+        assert done.stderr == f"error: no __version__ in {tree}/vllm/_version.py\n"
+    else:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.splitlines()[0].endswith(f": vLLM {version} at {tree}"), done.stdout[:2000]
+
+
+def hostile_series(dest: Path, lines: list[bytes]) -> Path:
+    """A copy of the installed series whose `series` file holds ``lines``."""
+    shutil.copytree(DEFAULT_PATCHES, dest)
+    (dest / "series").write_bytes(b"".join(line + b"\n" for line in lines))
+    return dest
+
+
+SERIES_NAMES = [p.name.encode() for p in SERIES.patches]
+
+
+@pytest.mark.parametrize("entry, shown, why", [
+    (b"../outside.patch", "../outside.patch", "a path, not a file name"),
+    (b"{outside}", "{outside}", "a path, not a file name"),
+    (b"sub/0001-x.patch", "sub/0001-x.patch", "a path, not a file name"),
+    (b"0001-x.patch\0/../../outside.patch", "0001-x.patch\\x00/../../outside.patch", "a control character"),
+    (b"0001-x\x1b[2J.patch", "0001-x\\x1b[2J.patch", "a control character"),
+    (b"outside.diff", "outside.diff", "no .patch ending"),
+    (b".patch", ".patch", "an empty name before .patch"),
+    (b"..", "..", "a path, not a file name"),
+    (None, "{first}", "listed twice"),
+])
+def test_a_series_entry_that_is_not_a_patch_file_name_is_refused_before_anything_is_applied(
+        site: Path, tmp_path: Path, entry: bytes | None, shown: str, why: str) -> None:
+    """A `series` file is a list of the patch files in its own folder: an entry that leads elsewhere (`../x.patch`,
+    an absolute path, a subfolder), hides a NUL or a control character, does not end in `.patch`, or repeats a
+    patch, is refused with the entry named (`git apply` would have applied a patch from outside the series)."""
+    outside = tmp_path / "outside.patch"
+    shutil.copy2(SERIES.patches[0], outside)  # a patch that applies: nothing must apply it
+    (tmp_path / "outside.diff").write_bytes(SERIES.patches[0].read_bytes())
+    series_dir = tmp_path / "series"
+    entry = SERIES_NAMES[0] if entry is None else entry.replace(b"{outside}", bytes(outside))
+    lines = [SERIES_NAMES[0], entry] if entry == SERIES_NAMES[0] else [entry, *SERIES_NAMES]
+    hostile_series(series_dir, lines)
+    shown = shown.replace("{outside}", str(outside)).replace("{first}", SERIES_NAMES[0].decode())
+    if b"/" in entry and not entry.startswith(b"/"):
+        (series_dir / "sub").mkdir()
+        shutil.copy2(SERIES.patches[0], series_dir / "sub" / "0001-x.patch")
+    before = digest(site)
+    for command in ("apply", "status"):
+        done = akv("patch", command, "--vllm", str(site), "--patches", str(series_dir))
+        assert (done.returncode, done.stdout) == (1, ""), done.stdout
+        line = 2 if entry == SERIES_NAMES[0] else 1
+        assert done.stderr == (
+            f"error: {series_dir}/series, line {line}: expected the file name of a patch in {series_dir} (ending in "
+            f".patch, no '/', no control character, each listed once), got '{shown}' ({why}); list the series' "
+            "own patch files by name\n"), done.stderr
+    assert digest(site) == before
+
+
+@pytest.mark.parametrize("which", ["series", "patch", "_version.py"])
+@pytest.mark.parametrize("kind", ["fifo", "/dev/zero", "over the cap"])
+def test_a_file_that_is_no_regular_file_or_too_large_is_an_error_not_a_hang(
+        site: Path, tmp_path: Path, which: str, kind: str) -> None:
+    """The files `activekv patch` reads (the series file, each patch, vllm/_version.py) are opened without blocking
+    and read only when they are regular files of at most 16 MiB: a FIFO named like one does not hang the launcher, a
+    symlink to /dev/zero does not exhaust memory, a file over the cap is named with the cap."""
+    series_dir = hostile_series(tmp_path / "series", SERIES_NAMES)
+    target = {"series": series_dir / "series", "patch": series_dir / SERIES.patches[1].name,
+              "_version.py": site / "vllm" / "_version.py"}[which]
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+        got = "a FIFO"
+    elif kind == "/dev/zero":
+        target.symlink_to("/dev/zero")
+        got = "a character device"
+    else:
+        with target.open("wb") as f:
+            f.truncate((16 << 20) + 1)  # sparse: no 16 MiB written
+        got = f"{(16 << 20) + 1} bytes"
+    done = akv_capped("patch", "status", "--vllm", str(site), "--patches", str(series_dir), timeout=60)
+    assert (done.returncode, done.stdout) == (1, ""), (done.returncode, done.stdout, done.stderr[-2000:])
+    assert done.stderr == (f"error: cannot read {target}: expected a regular file of at most 16 MiB (16777216 bytes), "
+                           f"got {got}\n"), done.stderr
 
 
 # -------------------------------------------------------------------------------------------------- patch: checkout

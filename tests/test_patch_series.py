@@ -271,6 +271,48 @@ def test_bad_vllm_dir_is_refused(tmp_path: Path) -> None:
     assert "holds no vllm package" in done.stderr
 
 
+@pytest.mark.parametrize("option", ["--vllm", "--patches"])
+@pytest.mark.parametrize("spelled", ["joined", "separate"])
+def test_an_empty_dir_option_is_bad_usage(option: str, spelled: str) -> None:
+    """`--vllm ""` read as Path(""), the current directory, which then was patched if it held vllm/."""
+    done = tool("status", *([f"{option}="] if spelled == "joined" else [option, ""]))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.endswith(f"error: argument {option}: needs DIR, got an empty value\n"), done.stderr
+
+
+@pytest.mark.parametrize("entry, shown, why", [
+    ("../outside.patch", "../outside.patch", "a path, not a file name"),
+    ("{outside}", "{outside}", "a path, not a file name"),
+    ("sub/0001-x.patch", "sub/0001-x.patch", "a path, not a file name"),
+    ("0001-x.patch\0/../../outside.patch", "0001-x.patch\\x00/../../outside.patch", "a control character"),
+    ("outside.diff", "outside.diff", "no .patch ending"),
+    (".patch", ".patch", "an empty name before .patch"),
+    ("..", "..", "a path, not a file name"),
+    (None, "{first}", "listed twice"),
+])
+def test_a_series_entry_that_is_not_a_patch_file_name_is_refused(series: Series, tmp_path: Path, entry: str | None,
+                                                                  shown: str, why: str) -> None:
+    """The dev-side twin of the launcher's loader (tests/test_launcher.py): `directory / "../x.patch"` and
+    `directory / "/abs.patch"` (which pathlib reads as the absolute path alone) lead out of the series' folder."""
+    outside = tmp_path / "outside.patch"
+    shutil.copy2(series.patches[0], outside)
+    (tmp_path / "outside.diff").write_bytes(series.patches[0].read_bytes())
+    series_dir = tmp_path / "series"
+    shutil.copytree(DEFAULT_PATCHES, series_dir)
+    (series_dir / "sub").mkdir()
+    shutil.copy2(series.patches[0], series_dir / "sub" / "0001-x.patch")
+    names = [p.name for p in series.patches]
+    lines = [names[0], names[0]] if entry is None else [entry.replace("{outside}", str(outside)), *names]
+    (series_dir / "series").write_text("".join(f"{line}\n" for line in lines))
+    shown = shown.replace("{outside}", str(outside)).replace("{first}", names[0])
+    with pytest.raises(PatchError) as info:
+        Series.load(series_dir)
+    assert str(info.value) == (
+        f"{series_dir}/series, line {2 if entry is None else 1}: expected the file name of a patch in {series_dir} "
+        f"(ending in .patch, no '/', no control character, each listed once), got '{shown}' ({why}); list the "
+        "series' own patch files by name")
+
+
 # -------------------------------------------------------------------------------------------------- the new module
 
 

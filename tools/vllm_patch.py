@@ -71,11 +71,23 @@ class Series:
         series_file = directory / "series"
         if not series_file.is_file():
             raise PatchError(f"no series file in {directory}")
-        names = [
-            line.strip()
-            for line in series_file.read_text().splitlines()
-            if line.strip() and not line.lstrip().startswith("#")
-        ]
+        # Lines as the launcher's loader reads them (bindings/series/patch_series.cpp): split at "\n", trimmed of
+        # spaces, tabs and CRs; blank lines and '#' comments skipped; every other line one patch file name.
+        names: list[str] = []
+        with series_file.open(newline="") as f:  # no newline translation: a lone "\r" ends no line there either
+            text = f.read()
+        for number, raw in enumerate(text.split("\n"), 1):
+            name = raw.strip(" \t\r")
+            if not name or name.startswith("#"):
+                continue
+            why = _entry_problem(name, names)
+            if why:
+                raise PatchError(
+                    f"{series_file}, line {number}: expected the file name of a patch in {directory} (ending in "
+                    f".patch, no '/', no control character, each listed once), got '{_shown(name)}' ({why}); list "
+                    "the series' own patch files by name"
+                )
+            names.append(name)
         missing = [name for name in names if not (directory / name).is_file()]
         if missing:
             raise PatchError(f"{series_file} names missing patch files: {', '.join(missing)}")
@@ -93,6 +105,34 @@ class Series:
         return list(seen)
 
 
+def _shown(text: str) -> str:
+    """``text`` with each control character as ``\\xNN``, as the launcher's messages show it."""
+    return "".join(c if " " <= c != "\x7f" else f"\\x{ord(c):02x}" for c in text)
+
+
+def _entry_problem(name: str, earlier: list[str]) -> str:
+    """Why ``name`` (a trimmed, non-comment line of a ``series`` file) is no patch file name of the series' own folder,
+    or "" when it is one; the same checks, in the same order, as the launcher's loader."""
+    if any(c < " " or c == "\x7f" for c in name):
+        return "a control character"
+    if "/" in name or name in (".", ".."):
+        return "a path, not a file name"
+    if not name.endswith(".patch"):
+        return "no .patch ending"
+    if name == ".patch":
+        return "an empty name before .patch"
+    if name in earlier:
+        return "listed twice"
+    return ""
+
+
+def _dir_arg(value: str) -> Path:
+    """An option's DIR: ``Path("")`` is the current directory, never what an empty ``--vllm=`` meant."""
+    if not value:
+        raise argparse.ArgumentTypeError("needs DIR, got an empty value")
+    return Path(value)
+
+
 def default_vllm_root() -> Path:
     """The directory holding the ``vllm`` package that this interpreter imports (found without importing it)."""
     spec = importlib.util.find_spec("vllm")
@@ -101,7 +141,7 @@ def default_vllm_root() -> Path:
     return Path(next(iter(spec.submodule_search_locations))).resolve().parent
 
 
-def resolve_root(arg: str | None) -> Path:
+def resolve_root(arg: str | Path | None) -> Path:
     """``--vllm DIR`` to the directory holding ``vllm/``; accepts the ``vllm/`` package directory itself."""
     if arg is None:
         return default_vllm_root()
@@ -299,9 +339,11 @@ def export(work: Path, base: str | None, patch_dir: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.vllm_patch", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["apply", "check", "revert", "status", "export"])
-    parser.add_argument("--vllm", metavar="DIR", help="directory holding vllm/ (default: this interpreter's)")
-    parser.add_argument("--patches", metavar="DIR", type=Path, default=DEFAULT_PATCHES, help="patch series directory")
-    parser.add_argument("--from", dest="work", metavar="GIT_TREE", type=Path, help="export: the edited git tree")
+    parser.add_argument("--vllm", metavar="DIR", type=_dir_arg, help="directory holding vllm/ (default: this "
+                        "interpreter's)")
+    parser.add_argument("--patches", metavar="DIR", type=_dir_arg, default=DEFAULT_PATCHES,
+                        help="patch series directory")
+    parser.add_argument("--from", dest="work", metavar="GIT_TREE", type=_dir_arg, help="export: the edited git tree")
     parser.add_argument("--base", metavar="REV", help="export: the unpatched commit (default: the root commit)")
     args = parser.parse_args(argv)
     try:

@@ -68,13 +68,11 @@ void refuse_dirty(const Tree& tree) {
 
 using Snapshot = std::map<std::string, std::optional<std::string>>;
 
+/// Every file the series touches, as it is (nullopt: absent). Throws PatchError, before anything changed, for one it
+/// cannot read back (not a regular file, over series::kMaxFileBytes): a file left out would be deleted by restore().
 Snapshot snapshot(const Tree& tree, const Series& series) {
   Snapshot snap;
-  for (const auto& rel : series.touched_files()) {
-    std::string data;
-    const std::string path = join(tree.root(), rel);
-    snap[rel] = is_file(path) && read_file(path, data) ? std::optional<std::string>(data) : std::nullopt;
-  }
+  for (const auto& rel : series.touched_files()) snap[rel] = series::read_file_if_exists(join(tree.root(), rel));
   return snap;
 }
 
@@ -249,6 +247,11 @@ Preflight backend_preflight(const Environment& env) {
 int patch_main(const std::vector<std::string>& args, const Environment& env) {
   std::optional<std::string> command, vllm_dir;
   std::string patch_dir = default_patch_dir(env);
+  // An empty DIR (`--vllm=`, or `--vllm "$UNSET"`) is bad usage, never "" read as a directory.
+  auto usage_error = [](const char* option, const std::optional<std::string>& v) {
+    std::fprintf(stderr, "%serror: %s needs DIR%s\n", kPatchUsage, option, v ? ", got an empty value" : "");
+    return 2;
+  };
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&](const std::string& option) -> std::optional<std::string> {
@@ -263,16 +266,10 @@ int patch_main(const std::vector<std::string>& args, const Environment& env) {
       return 0;
     } else if (a == "--vllm" || a.rfind("--vllm=", 0) == 0) {
       vllm_dir = value("--vllm");
-      if (!vllm_dir) {
-        std::fprintf(stderr, "%serror: --vllm needs DIR\n", kPatchUsage);
-        return 2;
-      }
+      if (!vllm_dir || vllm_dir->empty()) return usage_error("--vllm", vllm_dir);
     } else if (a == "--patches" || a.rfind("--patches=", 0) == 0) {
       auto v = value("--patches");
-      if (!v) {
-        std::fprintf(stderr, "%serror: --patches needs DIR\n", kPatchUsage);
-        return 2;
-      }
+      if (!v || v->empty()) return usage_error("--patches", v);
       patch_dir = *v;
     } else if (!command && (a == "apply" || a == "check" || a == "revert" || a == "status")) {
       command = a;

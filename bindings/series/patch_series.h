@@ -6,27 +6,46 @@
 //
 // Every check drives git as a subprocess (posix_spawn, `git apply --check [--reverse]`): it reads files and never
 // changes anything. Errors are thrown as PatchError, whose message says what was expected and what was found.
+#include <cstddef>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace activekv::series {
 
+struct PatchError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // Small file helpers (shared with the launcher).
 bool is_file(const std::string& path);
 bool is_dir(const std::string& path);
 std::string dirname(const std::string& path);
 std::string join(const std::string& a, const std::string& b);
-bool read_file(const std::string& path, std::string& out);
 /// realpath(3), or `path` unchanged when it cannot be resolved.
 std::string real_path(const std::string& path);
 
+/// The most bytes read from one file: the series file, a patch, vllm/_version.py, a file the series touches,
+/// pyvenv.cfg. Fifty times vLLM 0.32.0's largest Python file (322 kB) and three thousand times the series' largest
+/// patch (5 kB): only a file that is not what its name says reaches it.
+inline constexpr std::size_t kMaxFileBytes = std::size_t{16} << 20;
+
+/// The bytes of the regular file at `path` (symbolic links followed), or nullopt when there is no file there (ENOENT,
+/// ENOTDIR). Nothing else is read: the path is stat()ed, then opened non-blocking (a FIFO's open returns at once
+/// instead of waiting for a writer) and fstat()ed, and anything but a regular file of at most kMaxFileBytes (a FIFO,
+/// a device such as /dev/zero, a directory, a larger file) throws PatchError "cannot read PATH: expected a regular
+/// file of at most 16 MiB (16777216 bytes), got a FIFO"; so does a failed open or read (with strerror).
+std::optional<std::string> read_file_if_exists(const std::string& path);
+
+/// read_file_if_exists, with no file there a PatchError too ("cannot read PATH: No such file or directory").
+std::string read_regular_file(const std::string& path);
+
+/// read_file_if_exists for optional files (pyvenv.cfg): false, `out` unchanged, for any file it would not read.
+bool read_file(const std::string& path, std::string& out);
+
 /// The vLLM version the series and the engine are built for (ACTIVEKV_VLLM_PATCH_VERSION, e.g. "0.32.0").
 const std::string& series_vllm_version();
-
-struct PatchError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 /// One patch against a tree: its reverse applies (applied), it applies (not applied), or neither (conflict: the files
 /// match neither side, e.g. vLLM was changed, or patched by another series).
@@ -40,13 +59,21 @@ struct Series {
 
   std::string path(size_t i) const { return join(directory, names[i]); }
 
-  /// Reads directory/series. Throws PatchError: no series file, a listed patch missing, an empty list.
+  /// Reads directory/series: one patch file name a line, trimmed of spaces, tabs and CRs; blank lines and '#'
+  /// comments skipped. Each name must be a file name in `directory` ending in .patch (no '/', not "." or "..", no
+  /// control character, NUL included; not ".patch" alone), listed once, naming a regular file of at most
+  /// kMaxFileBytes. Throws PatchError before anything else reads the series: no series file (or one read_file_if_exists
+  /// refuses), an entry that is no such name (its line and the entry, control characters as \xNN), a listed patch
+  /// missing or not a regular file, an empty list.
   static Series load(const std::string& directory);
 
-  /// Paths relative to the tree root that the series creates or changes, in first-seen order.
+  /// Paths relative to the tree root that the series creates or changes, in first-seen order: both names of each
+  /// `diff --git a/OLD b/NEW` line (whole line, names without whitespace; git quotes names with whitespace, which are
+  /// not read). Throws PatchError when a patch cannot be read (read_regular_file).
   std::vector<std::string> touched_files() const;
 
-  /// The commit subject `git am` gives patch i (the Subject header without its "[PATCH n/m] " prefix).
+  /// The commit subject `git am` gives patch i (the Subject header without its "[PATCH n/m] " prefix). Throws
+  /// PatchError when the patch cannot be read.
   std::string subject(size_t i) const;
 };
 
@@ -87,7 +114,10 @@ std::string tree_root(const std::string& path);
 /// The tree of a directory given by the user: tree_at(tree_root(path)). Throws PatchError as tree_root does.
 Tree resolve_tree(const std::string& path);
 
-/// The version written in root/vllm/_version.py (read, not imported). Throws PatchError when there is none.
+/// The version written in root/vllm/_version.py (read, not imported): the first line `__version__ = 'X'` or
+/// `__version__ = version = 'X'` (from the line's start; either quote; whitespace around '=' optional; anything after
+/// the closing quote; a final CR dropped), as tools/vllm_patch.py's _VERSION_RE reads it. Throws PatchError when there
+/// is none, or the file cannot be read (read_file_if_exists).
 std::string vllm_version(const Tree& tree);
 
 /// Each patch's state on the tree (git apply --check, reverse then forward).
