@@ -176,8 +176,9 @@ StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_
   check_index_tensor(block_table, "block_table", 2);
   AKV_CHECK_VALUE(num_reqs >= 0, "num_reqs must be >= 0, got ", num_reqs);
   AKV_CHECK_VALUE(num_actual_tokens >= 0, "num_actual_tokens must be >= 0, got ", num_actual_tokens);
-  AKV_CHECK_VALUE(query_start_loc.size(0) >= num_reqs + 1, "query_start_loc must have >= num_reqs + 1 = ",
-                  num_reqs + 1, " entries, got ", query_start_loc.size(0));
+  // Compared as size - 1 >= num_reqs: num_reqs + 1 overflows for num_reqs = INT64_MAX (undefined behaviour).
+  AKV_CHECK_VALUE(query_start_loc.size(0) - 1 >= num_reqs, "query_start_loc must have >= num_reqs + 1 entries (",
+                  "num_reqs = ", num_reqs, "), got ", query_start_loc.size(0));
   AKV_CHECK_VALUE(seq_lens.size(0) >= num_reqs, "seq_lens must have >= num_reqs = ", num_reqs, " entries, got ",
                   seq_lens.size(0));
   AKV_CHECK_VALUE(block_table.size(0) >= num_reqs, "block_table must have >= num_reqs = ", num_reqs,
