@@ -154,6 +154,19 @@ py::dict model_labels(const py::handle& vllm_config) {
   return labels;
 }
 
+// The telemetry_json option of vLLM's configuration (additional_config['activekv']['telemetry_json']), or "" when it
+// is absent or not a plain str path (the engine core's Builder reports those).
+std::string configured_telemetry_json(const py::handle& vllm_config) {
+  py::object extra = py::getattr(vllm_config, "additional_config", py::none());
+  if (!py::isinstance<py::dict>(extra)) return "";
+  py::dict d = extra.cast<py::dict>();
+  if (!d.contains("activekv") || !py::isinstance<py::dict>(d["activekv"])) return "";
+  py::dict opts = d["activekv"].cast<py::dict>();
+  if (!opts.contains("telemetry_json") || !py::isinstance<py::str>(opts["telemetry_json"])) return "";
+  const auto path = activekv::py_glue::fs_path_of(opts["telemetry_json"]);  // the bytes the Builder records
+  return path && path->find('\0') == std::string::npos ? *path : "";
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_telemetry, m) {
@@ -205,7 +218,8 @@ PYBIND11_MODULE(_telemetry, m) {
       "One snapshot dict (with pid and engine_id) per live engine of this process and of every process descended "
       "from it (read from their shared segments in telemetry_dir()).");
   m.def("telemetry_dir", &activekv::telemetry_dir,
-        "Directory of the engines' shared telemetry segments: $ACTIVEKV_TELEMETRY_DIR, else /dev/shm.");
+        "Folder of this user's telemetry segments: <base>/activekv-telemetry-<uid>, the base being "
+        "$ACTIVEKV_TELEMETRY_DIR, else /dev/shm.");
   m.def(
       "snapshot_json", []() {
         std::vector<activekv::TelemetrySnapshot> all;
@@ -249,12 +263,17 @@ PYBIND11_MODULE(_telemetry, m) {
   py::class_<StatLogger>(m, "StatLogger",
                          "vLLM's AggregateStatLoggerBase contract. The constructor (start-up, API server process) "
                          "calls registry_getter() (vLLM's get_prometheus_registry) once and registers a Collector "
-                         "labelled with the served model name; record() and log_engine_initialized() do nothing: the "
+                         "labelled with the served model name, and lets this process write the telemetry_json file "
+                         "its additional_config names for engine-core "
+                         "processes that end with os._exit; record() and log_engine_initialized() do nothing: the "
                          "values are read from the engines at scrape time, never pushed per step.")
       .def(py::init([](py::object vllm_config, py::object engine_indexes, py::object registry_getter) {
-             activekv::collect_ended_descendants_at_exit();  // telemetry_json of engine-core processes
-             py::object registry = registry_getter();
              py::object collector = py::cast(Collector{model_labels(vllm_config)});
+             // telemetry_json of engine-core processes that end with os._exit: this process writes the path its own
+             // configuration names (vLLM hands the engine core the same one), never one read from a segment.
+             activekv::expect_descendant_telemetry_json(configured_telemetry_json(vllm_config));
+             activekv::collect_ended_descendants_at_exit();
+             py::object registry = registry_getter();
              try {
                registry.attr("register")(collector);
              } catch (py::error_already_set& e) {
