@@ -443,3 +443,29 @@ def test_a_telemetry_folder_that_is_not_private_disables_publishing_with_a_warni
     reader = capfd.readouterr().err  # this process's collector skipped the folder, and said why
     assert "telemetry of other processes not read" in reader and expected in reader, reader
 
+
+def test_the_json_is_written_through_a_new_temporary_file_never_through_a_planted_link(tmp_path: Path) -> None:
+    # The temporary file beside telemetry_json was `<path>.tmp.<pid>`, opened with truncation: a link planted at that
+    # name in a shared folder (/tmp) made the engine overwrite the link's target.
+    out, target = tmp_path / "run.json", tmp_path / "precious"
+    target.write_text("precious\n")
+    code = textwrap.dedent(
+        f"""
+        import gc, os, torch
+        import activekv._backend as backend
+        from tests.test_telemetry_publish import SPEC, vllm_config
+        os.symlink({str(target)!r}, {str(out)!r} + ".tmp." + str(os.getpid()))
+        print(os.getpid(), os.umask(0o022), flush=True)
+        b = backend.Builder(SPEC, ["l0"], vllm_config({{"telemetry_json": {str(out)!r}}}), torch.device("cpu"))
+        del b
+        gc.collect()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[0])
+    assert target.read_text() == "precious\n"
+    assert json.loads(out.read_text())["info"]["num_layers"] == 1
+    assert not out.is_symlink() and out.stat().st_mode & 0o777 == 0o644  # 0666 less the umask, as before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious", "run.json", f"run.json.tmp.{pid}"]
+

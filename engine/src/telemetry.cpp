@@ -201,6 +201,17 @@ std::string random_suffix() {
   return hex;
 }
 
+/// This process's umask, read without changing it (umask(2) would set it, racing other threads): /proc/self/status
+/// has it since Linux 4.7; 022 otherwise.
+mode_t process_umask() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("Umask:", 0) == 0) return static_cast<mode_t>(std::strtoul(line.c_str() + 6, nullptr, 8));
+  }
+  return 022;
+}
+
 void init_page(TelemetryPage* p, int64_t engine_id) {
   p->layout = kLayout;
   p->pid = static_cast<int64_t>(::getpid());
@@ -278,16 +289,30 @@ std::string json_double(double v) {
 
 void write_json_file(const std::string& path, const std::vector<TelemetrySnapshot>& all) {
   const std::string text = snapshot_to_json(merge_snapshots(all));
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    TORCH_CHECK(static_cast<bool>(f), "cannot write ActiveKV telemetry to ", tmp, ": ", std::strerror(errno));
-    f << text << "\n";
-    f.close();
-    TORCH_CHECK(!f.fail(), "cannot write ActiveKV telemetry to ", tmp);
+  // A new file of an unpredictable name (mkostemp: O_CREAT | O_EXCL), never one found there: the folder may be
+  // shared (/tmp), and a link planted at a name we would open with truncation makes us overwrite its target.
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "cannot create a temporary file ", tmp, " for ActiveKV telemetry: ", std::strerror(errno));
+  ::fchmod(fd, 0666 & ~process_umask());  // as an ordinary new file (mkostemp makes it 0600)
+  const std::string data = text + "\n";
+  size_t done = 0;
+  int err = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : EIO;
+      break;
+    }
+    done += static_cast<size_t>(n);
   }
-  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
-              std::strerror(errno));
+  if (::close(fd) != 0 && err == 0) err = errno;
+  if (err == 0 && std::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0) {
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "cannot write ActiveKV telemetry to ", path, " (through ", tmp, "): ", std::strerror(err));
+  }
 }
 
 void write_json_locked(Registry& r, const std::string& path) {
