@@ -180,11 +180,39 @@ SPEC = SimpleNamespace(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.
         (3, TypeError, r"telemetry_json'\] must be a str, got 3"),
         ("", ValueError, r"telemetry_json'\] must be a file path"),
         ("/nonexistent-dir/t.json", ValueError, r"directory '/nonexistent-dir' must exist and be writable"),
+        # A NUL ends the path the C library sees: '/tmp/run' would have been checked and written instead.
+        ("/tmp/run\0.json", ValueError,
+         r"telemetry_json'\] must be a file path without NUL characters, got '/tmp/run\\x00\.json'"),
+        # A lone surrogate that os.fsencode() cannot encode: was pybind11's "Unable to cast ... to C++ type '?'".
+        ("/tmp/run-\ud800.json", ValueError,
+         r"telemetry_json'\] must be a path os\.fsencode\(\) can encode, got '/tmp/run-\\ud800\.json'"),
+        # An existing directory: the rename of the JSON over it fails at shutdown, where no one sees the error.
+        (str(REPO), ValueError, r"telemetry_json'\] must name a file, got '.*' \(an existing directory\)"),
+        (str(REPO / "tests") + "/.", ValueError, r"must name a file, got '.*/tests/\.' \(an existing directory\)"),
     ],
 )
 def test_telemetry_json_is_validated(value: object, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         backend.Builder(SPEC, ["l0"], vllm_config({"telemetry_json": value}), torch.device("cpu"))
+
+
+def test_telemetry_json_may_name_a_file_of_undecodable_bytes(tmp_path: Path) -> None:
+    # os.fsdecode(b"run-\xff.json") is "run-\udcff.json": a valid path, written under its bytes.
+    out = os.path.join(os.fsdecode(bytes(tmp_path)), os.fsdecode(b"run-\xff.json"))
+    code = textwrap.dedent(
+        f"""
+        import gc, torch
+        import activekv._backend as backend
+        from tests.test_telemetry_publish import SPEC, vllm_config
+        b = backend.Builder(SPEC, ["l0"], vllm_config({{"telemetry_json": {out!r}}}), torch.device("cpu"))
+        del b
+        gc.collect()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with open(bytes(tmp_path) + b"/run-\xff.json", "rb") as f:
+        assert json.loads(f.read())["info"]["num_layers"] == 1
 
 
 def test_telemetry_json_is_written_when_the_engine_goes(tmp_path: Path) -> None:

@@ -436,10 +436,25 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
                     cfg.pool_blocks);
   std::string telemetry_json;
   if (opts.contains("telemetry_json")) {
-    telemetry_json = opts["telemetry_json"].cast<std::string>();
+    // A path's bytes as Python's os functions would use them (a name of undecodable bytes is a valid path).
+    const auto bytes = activekv::py_glue::fs_path_of(opts["telemetry_json"]);
+    TORCH_CHECK_VALUE(bytes.has_value(),
+                      "additional_config['activekv']['telemetry_json'] must be a path os.fsencode() can encode, got ",
+                      std::string(py::repr(opts["telemetry_json"])));
+    telemetry_json = *bytes;
+    // The C library reads a path up to its first NUL: '/tmp/run\0.json' would check and write '/tmp/run'.
+    TORCH_CHECK_VALUE(telemetry_json.find('\0') == std::string::npos,
+                      "additional_config['activekv']['telemetry_json'] must be a file path without NUL characters, "
+                      "got ",
+                      std::string(py::repr(opts["telemetry_json"])));
     TORCH_CHECK_VALUE(!telemetry_json.empty() && telemetry_json.back() != '/',
                       "additional_config['activekv']['telemetry_json'] must be a file path, got '", telemetry_json,
                       "'");
+    struct stat target {};
+    // A directory would only fail at shutdown (the rename over it), where no one sees the error.
+    TORCH_CHECK_VALUE(::stat(telemetry_json.c_str(), &target) != 0 || !S_ISDIR(target.st_mode),
+                      "additional_config['activekv']['telemetry_json'] must name a file, got '", telemetry_json,
+                      "' (an existing directory)");
     const auto slash = telemetry_json.rfind('/');
     const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : telemetry_json.substr(0, slash);
     struct stat st {};
