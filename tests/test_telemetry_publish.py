@@ -497,3 +497,49 @@ def test_the_json_is_written_through_a_new_temporary_file_never_through_a_plante
     assert not out.is_symlink() and out.stat().st_mode & 0o777 == 0o644  # 0666 less the umask, as before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["precious", "run.json", f"run.json.tmp.{pid}"]
 
+
+# ------------------------------------------------------------------------------------------ Collector labels
+
+
+@pytest.mark.parametrize(
+    ("labels", "error", "message"),
+    [
+        ({"model-name": "tiny"}, ValueError, "label name must match [a-zA-Z_][a-zA-Z0-9_]*, got 'model-name'"),
+        ({"9lives": "tiny"}, ValueError, "label name must match [a-zA-Z_][a-zA-Z0-9_]*, got '9lives'"),
+        ({"": "tiny"}, ValueError, "label name must match [a-zA-Z_][a-zA-Z0-9_]*, got ''"),
+        ({"modèle": "tiny"}, ValueError, "label name must match [a-zA-Z_][a-zA-Z0-9_]*, got 'modèle'"),
+        ({"__name__": "tiny"}, ValueError, "label name must not start with '__' (reserved for Prometheus), got "
+                                           "'__name__'"),
+        ({"le": "1.0"}, ValueError, "label name must not be 'le' (the histograms' bucket label), got 'le'"),
+        ({"model_name": "\udc80"}, ValueError, "the value of 'model_name' must be valid UTF-8 text, got '\\udc80'"),
+        ({"model_name": 3}, TypeError, "the value of 'model_name' must be a str, got 3"),
+        ({3: "tiny"}, TypeError, "label names must be str, got 3"),
+    ],
+)
+def test_collector_rejects_labels_that_would_break_every_scrape(labels: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match="^Collector labels: " + re.escape(message) + "$"):
+        telemetry.Collector(labels)
+
+
+def test_a_stat_logger_with_a_served_model_name_that_is_not_utf8_fails_at_construction() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    config = SimpleNamespace(model_config=SimpleNamespace(served_model_name=["\udc80"]))
+    with pytest.raises(ValueError, match=re.escape("the value of 'model_name' must be valid UTF-8 text")):
+        telemetry.StatLogger(config, [0], lambda: registry)
+    assert prometheus_client.generate_latest(registry) == b""
+
+
+def test_collector_label_values_are_escaped_in_exposition_and_copied_at_construction() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    value = 'ti"ny\\ \n é'
+    labels = {"model_name": value, "replica": ""}
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(telemetry.Collector(labels))
+    labels["bad-name"] = 3  # the caller's dict changed later: the collector keeps what it checked
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'model_name="ti\\"ny\\\\ \\n é"' in text
+    engines = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "activekv_engines"]
+    assert [s.labels for s in engines] == [{"model_name": value, "replica": ""}]
