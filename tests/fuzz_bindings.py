@@ -22,7 +22,7 @@ import sys
 from types import SimpleNamespace
 
 import torch
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
 import activekv._admission as admission  # after torch: the modules' import guard needs it
@@ -811,19 +811,25 @@ def vllm_config(num_heads, options) -> SimpleNamespace:
     return SimpleNamespace(model_config=model_config, parallel_config=SimpleNamespace(), additional_config=options)
 
 
+# telemetry_json values a start-up must refuse: a directory (spelled several ways), a NUL (the C library would see a
+# shorter path), a lone surrogate os.fsencode() cannot encode, no file name, a missing directory, not a str.
+BAD_TELEMETRY_JSON = st.sampled_from(["/tmp", ".", "..", "/tmp/.", "/tmp/", "", "/tmp/run\0.json", "\0",
+                                      "/tmp/run-\ud800.json", "/nonexistent-dir/t.json", 3, None, b"/tmp/t.json"])
+
 VALID_OPTIONS = st.fixed_dictionaries({}, optional={
     "mode": st.sampled_from(["exact", "compressed"]), "pool_blocks": st.integers(2, 64),
     "tile_blocks": st.integers(1, 4), "kernel": st.sampled_from(["native", "aten"]),
     "budget_tokens": st.integers(16, 256), "sink_blocks": st.integers(0, 2), "recent_blocks": st.integers(1, 2)})
 
 
-@given(VALID_OPTIONS, st.one_of(st.none(), st.tuples(OPTION_KEYS, OPTION_VALUES)),
+@given(VALID_OPTIONS, st.one_of(st.none(), st.tuples(OPTION_KEYS, OPTION_VALUES),
+                                st.tuples(st.just("telemetry_json"), BAD_TELEMETRY_JSON)),
        st.sampled_from(["int"] * 6 + ["str", "none", "float", "tensor"]),
        st.sampled_from(DTYPES * 3 + (torch.float64, "x")))
 def fuzz_builder(options, bad, block_size_kind, dtype) -> None:
-    """Builder start-up with additional_config['activekv'] options (valid ones, and one random key/value pair in
-    most examples) and kv_cache_spec attribute types: an engine whose settings are the options given, or one clear
-    error naming the option or attribute."""
+    """Builder start-up with additional_config['activekv'] options (valid ones, and one random key/value pair or one
+    bad telemetry_json in most examples) and kv_cache_spec attribute types: an engine whose settings are the options
+    given, or one clear error naming the option or attribute."""
     example()
     if bad is not None:
         options[bad[0]] = bad[1]
@@ -840,6 +846,7 @@ def fuzz_builder(options, bad, block_size_kind, dtype) -> None:
         return
     STATS["accepted"] += 1
     assert block_size_kind == "int" and dtype in DTYPES
+    assert "telemetry_json" not in options, f"telemetry_json {options['telemetry_json']!r} accepted"
     e = b.engine
     for k in ("pool_blocks", "tile_blocks", "mode", "kernel"):
         if k in options:
@@ -934,6 +941,216 @@ def fuzz_telemetry(layer_counts, data) -> None:
     assert sum(s["build_calls"] for s in mine) >= sum(e.snapshot()["build_calls"] for e in engines)
     del engines, mine, e
     assert len(telemetry.engine_snapshots()) == base
+    STATS["accepted"] += 1
+
+
+# Entries named like segments in the telemetry folder or its base (writable by every local user), and what the
+# folder itself may be. "another user" is uid 65534, given by chown (as root; such examples are skipped otherwise).
+_PLANTS = st.sampled_from(["fifo", "socket", "directory", "link to a file", "link to a dead segment",
+                           "dead segment of another user", "dead segment of mode 0644", "dead segment one byte short",
+                           "dead segment one byte long", "empty file", "garbage of a page's size", "dead segment",
+                           "dead segment naming a json path"])
+_FOLDERS = st.sampled_from(["private", "private", "private", "mode 0755", "a link to a private folder",
+                            "another user's"])
+_TEMPLATES: dict[str, bytes] = {}
+
+
+def dead_segments() -> dict[str, bytes]:
+    """The bytes of two segments left by a child that ended with os._exit (as vLLM's engine core does): one engine
+    without telemetry_json ("plain"), one whose page names a json path ("json", the file `victim` beside them). Made
+    once per process, in a folder of their own."""
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    if not _TEMPLATES:
+        base = Path(tempfile.mkdtemp(prefix="activekv-fuzz-templates-"))
+        code = ("import os, torch\nimport activekv._backend as backend\n"
+                "from tests.test_telemetry_publish import SPEC, vllm_config\n"
+                "e = backend.Engine(1, 2, 1, 4, 2, torch.float32, 2, 1)\n"
+                f"b = backend.Builder(SPEC, ['l0'], vllm_config({{'telemetry_json': {str(base / 'victim')!r}}}), "
+                "torch.device('cpu'))\nos._exit(0)\n")
+        env = {**os.environ, "ACTIVEKV_TELEMETRY_DIR": str(base)}
+        try:
+            done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+            assert done.returncode == 0, done.stderr
+            for seg in (base / f"activekv-telemetry-{os.geteuid()}").iterdir():
+                data = seg.read_bytes()
+                _TEMPLATES["json" if str(base / "victim").encode() in data else "plain"] = data
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        assert set(_TEMPLATES) == {"json", "plain"}, _TEMPLATES.keys()
+        _TEMPLATES["victim"] = str(base / "victim").encode()  # gone: the collector must not create it either
+    return _TEMPLATES
+
+
+def entry_state(path) -> tuple:
+    """What a planted entry is: kind, owner, mode, size and (regular files, link targets) its bytes."""
+    import stat as st_mod
+
+    s = os.lstat(path)
+    content = None
+    if st_mod.S_ISREG(s.st_mode):
+        content = open(path, "rb").read()
+    elif st_mod.S_ISLNK(s.st_mode):
+        content = (os.readlink(path), open(path, "rb").read() if os.path.isfile(path) else None)
+    return st_mod.S_IFMT(s.st_mode), s.st_uid, s.st_mode & 0o7777, s.st_size, content
+
+
+@given(plants=st.lists(st.tuples(_PLANTS, st.sampled_from(["folder", "base"])), min_size=1, max_size=6),
+       folder_kind=_FOLDERS, seed=st.integers(0, 2**32 - 1))
+def fuzz_telemetry_folder(plants, folder_kind, seed) -> None:
+    """Special and foreign entries named like segments in the telemetry folder and in its base, and a folder that
+    is not private: reading the process tree (process_tree_snapshots, Collector.collect, a scrape) never blocks (the
+    case's subprocess has a timeout), follows or writes through none of them, reports exactly this process's live
+    engines, and removes only dead, plain segments of this user in its private folder (and its own at the end)."""
+    import random
+    import shutil
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    import prometheus_client
+
+    others = folder_kind == "another user's" or any(k.endswith("another user") for k, _ in plants)
+    assume(os.geteuid() == 0 or not others)  # chown to another uid needs root
+    example()
+    templates = dead_segments()
+    rng = random.Random(seed)
+    root = Path(tempfile.mkdtemp(prefix="activekv-fuzz-folder-"))
+    base, real = root / "base", root / "real"
+    base.mkdir()
+    real.mkdir(mode=0o700)
+    folder = base / f"activekv-telemetry-{os.geteuid()}"
+    old_env = os.environ.get("ACTIVEKV_TELEMETRY_DIR")
+    os.environ["ACTIVEKV_TELEMETRY_DIR"] = str(base)
+    try:
+        if folder_kind == "a link to a private folder":
+            folder.symlink_to(real)
+        else:
+            folder.mkdir(mode=0o700)
+            if folder_kind == "mode 0755":
+                folder.chmod(0o755)
+            elif folder_kind == "another user's":
+                os.chown(folder, 65534, 65534)
+        private = folder_kind == "private"
+        engine = backend.Engine(1, 2, 1, 4, 2, torch.float32, 2, 1)  # publishes in the folder only when private
+        own = set(folder.iterdir()) if folder.is_dir() else set()
+        assert len(own) == (1 if private else 0) and list(real.iterdir()) == [], (own, folder_kind)
+        victim = root / "victim"
+        victim.write_bytes(b"precious\n")
+        (root / "away").mkdir()
+        planted = {}
+        for i, (kind, where) in enumerate(plants):
+            path = (folder if where == "folder" else base) / f"activekv-telemetry.{rng.randrange(2, 2**22)}.{i}"
+            if kind == "fifo":
+                os.mkfifo(path, 0o600)
+            elif kind == "socket":
+                sock = socket.socket(socket.AF_UNIX)
+                sock.bind(str(path))
+                sock.close()
+            elif kind == "directory":
+                path.mkdir(mode=0o700)
+            elif kind == "link to a file":
+                path.symlink_to(victim)
+            elif kind == "link to a dead segment":
+                away = root / "away" / path.name
+                away.write_bytes(templates["plain"])
+                away.chmod(0o600)
+                path.symlink_to(away)
+            elif kind == "empty file":
+                path.write_bytes(b"")
+                path.chmod(0o600)
+            elif kind == "garbage of a page's size":
+                path.write_bytes(rng.randbytes(len(templates["plain"])))
+                path.chmod(0o600)
+            else:
+                data = templates["json" if kind == "dead segment naming a json path" else "plain"]
+                data = data[:-1] if kind.endswith("short") else data + b"\0" if kind.endswith("long") else data
+                path.write_bytes(data)
+                path.chmod(0o644 if kind.endswith("0644") else 0o600)
+                if kind.endswith("another user"):
+                    os.chown(path, 65534, 65534)
+            planted[path] = (kind, where, entry_state(path))
+        note(f"planted {[(k, w) for k, w, _ in planted.values()]}, folder {folder_kind}")
+        json_target = Path(templates["victim"].decode())
+        json_before = json_target.read_bytes() if json_target.exists() else None
+
+        live = telemetry.engine_snapshots()
+        tree = telemetry.process_tree_snapshots()
+        families = telemetry.Collector({"model_name": "fz"}).collect()
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(telemetry.Collector({"model_name": "fz"}))
+        text = prometheus_client.generate_latest(registry).decode()
+
+        assert [(s["pid"], s["engine_id"]) for s in tree] == [(os.getpid(), s["engine_id"]) for s in live]
+        assert any(f.name == "activekv_engines" for f in families)
+        assert f'activekv_engines{{model_name="fz"}} {float(len(live))}' in text
+        assert victim.read_bytes() == b"precious\n"
+        assert (json_target.read_bytes() if json_target.exists() else None) == json_before
+        for path, (kind, where, before) in planted.items():
+            removable = kind == "dead segment" and where == "folder" and private
+            if removable:
+                assert not os.path.lexists(path), (kind, where, folder_kind)
+            else:
+                assert entry_state(path) == before, (kind, where, folder_kind)
+        entries = {p for p in base.iterdir()} | ({p for p in folder.iterdir()} if folder.is_dir() else set())
+        assert own <= entries and entries <= set(planted) | own | {folder}, entries - set(planted) - own
+        del engine
+        assert not any(p.exists() for p in own)  # the engine removed its own segment, and only that
+        STATS["accepted"] += 1
+    finally:
+        if old_env is None:
+            os.environ.pop("ACTIVEKV_TELEMETRY_DIR", None)
+        else:
+            os.environ["ACTIVEKV_TELEMETRY_DIR"] = old_env
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_LABEL_NAMES = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,6}", fullmatch=True)
+_BAD_LABEL_NAMES = st.one_of(st.text(max_size=4), st.integers(-2, 2), st.none(), st.sampled_from(
+    ["le", "__name__", "__x", "model-name", "", "modèle", "\udc80", "9a", "a b", "a:b"]))
+_LABEL_VALUES = st.one_of(st.text(max_size=8), st.sampled_from(['a"b\\c\nd', "", "é", "\r", "{x=\"y\"}"]))
+_BAD_LABEL_VALUES = st.one_of(st.sampled_from(["\udc80", "a\ud800b"]), st.integers(-2, 2), st.none(),
+                              st.binary(max_size=3))
+
+
+@given(st.dictionaries(_LABEL_NAMES, _LABEL_VALUES, max_size=3),
+       st.one_of(st.none(), st.tuples(st.one_of(_LABEL_NAMES, _BAD_LABEL_NAMES),
+                                      st.one_of(_LABEL_VALUES, _BAD_LABEL_VALUES))))
+def fuzz_collector_labels(labels, extra) -> None:
+    """Collector labels: rejected at construction (TypeError/ValueError naming them) unless every name matches
+    [a-zA-Z_][a-zA-Z0-9_]*, is not '__...' nor 'le', and every value is UTF-8 text; accepted ones never break a
+    scrape (text and OpenMetrics) and come back unchanged from prometheus_client's parser."""
+    import re
+
+    import prometheus_client
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    example()
+    if extra is not None:
+        labels[extra[0]] = extra[1]
+
+    def utf8(v: str) -> bool:
+        try:
+            v.encode()
+        except UnicodeEncodeError:
+            return False
+        return True
+
+    valid = all(isinstance(k, str) and re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", k) and not k.startswith("__")
+                and k != "le" and isinstance(v, str) and utf8(v) for k, v in labels.items())
+    if not valid:
+        expect_rejected(lambda: telemetry.Collector(labels), ("Collector labels",))
+        return
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(telemetry.Collector(labels))
+    text = prometheus_client.generate_latest(registry).decode()
+    assert openmetrics_latest(registry).decode().endswith("# EOF\n")
+    engines = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "activekv_engines"]
+    assert [s.labels for s in engines] == [labels]
     STATS["accepted"] += 1
 
 

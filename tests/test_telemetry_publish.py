@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -59,9 +61,9 @@ CHILD = textwrap.dedent(
 )
 
 
-def start_child(env: dict[str, str]) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, "-c", CHILD], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+def start_child(env: dict[str, str], code: str = CHILD) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()  # type: ignore[union-attr]
     assert line.startswith("READY"), line
     return proc, int(line.split()[1])
@@ -73,6 +75,11 @@ def seg_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     return {**os.environ, "ACTIVEKV_TELEMETRY_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
 
 
+def segments(pattern: str = "activekv-telemetry.*") -> list[Path]:
+    """The segment files in this process's telemetry folder (telemetry_dir(), under ACTIVEKV_TELEMETRY_DIR)."""
+    return sorted(Path(telemetry.telemetry_dir()).glob(pattern))
+
+
 def child_snapshots(pid: int) -> list[dict]:
     return [s for s in telemetry.process_tree_snapshots() if s["pid"] == pid]
 
@@ -80,10 +87,8 @@ def child_snapshots(pid: int) -> list[dict]:
 def test_a_child_engine_is_read_from_its_segment_and_gone_when_it_exits(seg_dir: dict[str, str]) -> None:
     proc, pid = start_child(seg_dir)
     try:
-        assert telemetry.telemetry_dir() == seg_dir["ACTIVEKV_TELEMETRY_DIR"]
-        segments = list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob(f"activekv-telemetry.{pid}.*"))
-        assert len(segments) == 1
-        assert segments[0].stat().st_mode & 0o777 == 0o600
+        (segment,) = segments(f"activekv-telemetry.{pid}.*")
+        assert segment.stat().st_mode & 0o777 == 0o600
         (snap,) = child_snapshots(pid)
         assert (snap["build_calls"], snap["kv_update_calls"], snap["forward_calls"]) == (1, 1, 1)
         assert snap["tokens_written"] == 11 and snap["padding_slots"] == 2
@@ -91,25 +96,26 @@ def test_a_child_engine_is_read_from_its_segment_and_gone_when_it_exits(seg_dir:
         assert snap["histograms"]["blocks_admitted_per_forward"]["sum"] == 3.0
         assert snap["info"]["num_layers"] == 2
     finally:
-        proc.communicate("", timeout=60)
+        _, err = proc.communicate("", timeout=60)
+    assert err == ""
     assert child_snapshots(pid) == []
-    assert list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob(f"activekv-telemetry.{pid}.*")) == []
+    assert segments(f"activekv-telemetry.{pid}.*") == []
 
 
 def test_a_killed_child_segment_is_removed_and_unrelated_processes_are_ignored(seg_dir: dict[str, str]) -> None:
     proc, pid = start_child(seg_dir)
     os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    assert len(list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob(f"activekv-telemetry.{pid}.*"))) == 1
+    assert len(segments(f"activekv-telemetry.{pid}.*")) == 1
     assert child_snapshots(pid) == []  # dead: skipped, and its segment removed
-    assert list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob(f"activekv-telemetry.{pid}.*")) == []
+    assert segments(f"activekv-telemetry.{pid}.*") == []
     daemon = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env={**seg_dir, "DAEMON": "1", "HOLD": "600"},
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     dpid = int(daemon.stdout.split()[1])
     try:
-        assert len(list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob(f"activekv-telemetry.{dpid}.*"))) == 1
+        assert len(segments(f"activekv-telemetry.{dpid}.*")) == 1
         assert child_snapshots(dpid) == []  # alive but not a descendant: not ours to report (nor to remove)
-        assert len(list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob(f"activekv-telemetry.{dpid}.*"))) == 1
+        assert len(segments(f"activekv-telemetry.{dpid}.*")) == 1
     finally:
         os.kill(dpid, signal.SIGKILL)
 
@@ -174,11 +180,39 @@ SPEC = SimpleNamespace(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.
         (3, TypeError, r"telemetry_json'\] must be a str, got 3"),
         ("", ValueError, r"telemetry_json'\] must be a file path"),
         ("/nonexistent-dir/t.json", ValueError, r"directory '/nonexistent-dir' must exist and be writable"),
+        # A NUL ends the path the C library sees: '/tmp/run' would have been checked and written instead.
+        ("/tmp/run\0.json", ValueError,
+         r"telemetry_json'\] must be a file path without NUL characters, got '/tmp/run\\x00\.json'"),
+        # A lone surrogate that os.fsencode() cannot encode: was pybind11's "Unable to cast ... to C++ type '?'".
+        ("/tmp/run-\ud800.json", ValueError,
+         r"telemetry_json'\] must be a path os\.fsencode\(\) can encode, got '/tmp/run-\\ud800\.json'"),
+        # An existing directory: the rename of the JSON over it fails at shutdown, where no one sees the error.
+        (str(REPO), ValueError, r"telemetry_json'\] must name a file, got '.*' \(an existing directory\)"),
+        (str(REPO / "tests") + "/.", ValueError, r"must name a file, got '.*/tests/\.' \(an existing directory\)"),
     ],
 )
 def test_telemetry_json_is_validated(value: object, error: type, match: str) -> None:
     with pytest.raises(error, match=match):
         backend.Builder(SPEC, ["l0"], vllm_config({"telemetry_json": value}), torch.device("cpu"))
+
+
+def test_telemetry_json_may_name_a_file_of_undecodable_bytes(tmp_path: Path) -> None:
+    # os.fsdecode(b"run-\xff.json") is "run-\udcff.json": a valid path, written under its bytes.
+    out = os.path.join(os.fsdecode(bytes(tmp_path)), os.fsdecode(b"run-\xff.json"))
+    code = textwrap.dedent(
+        f"""
+        import gc, torch
+        import activekv._backend as backend
+        from tests.test_telemetry_publish import SPEC, vllm_config
+        b = backend.Builder(SPEC, ["l0"], vllm_config({{"telemetry_json": {out!r}}}), torch.device("cpu"))
+        del b
+        gc.collect()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with open(bytes(tmp_path) + b"/run-\xff.json", "rb") as f:
+        assert json.loads(f.read())["info"]["num_layers"] == 1
 
 
 def test_telemetry_json_is_written_when_the_engine_goes(tmp_path: Path) -> None:
@@ -218,12 +252,9 @@ def test_telemetry_json_is_written_at_exit_for_a_live_engine(tmp_path: Path) -> 
     assert json.loads(out.read_text())["info"]["num_layers"] == 1
 
 
-def test_telemetry_json_of_a_child_that_ends_with_os_exit_is_written_by_its_ancestor(
-    seg_dir: dict[str, str], tmp_path: Path
-) -> None:
-    # vLLM's engine-core process ends with os._exit: no destructor, no atexit. The segment keeps the final values and
-    # the ancestor's reader (the API server's collector) writes the file when it finds the process gone.
-    out = tmp_path / "engine-core.json"
+def end_engine_core_with_os_exit(env: dict[str, str], out: Path) -> Path:
+    """Run a child that builds a 3-layer engine with telemetry_json=out and ends with os._exit, as vLLM's engine-core
+    process does (no destructor, no atexit); returns the segment it leaves."""
     code = textwrap.dedent(
         f"""
         import os, torch
@@ -234,11 +265,281 @@ def test_telemetry_json_of_a_child_that_ends_with_os_exit_is_written_by_its_ance
         os._exit(0)
         """
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=seg_dir, capture_output=True, text=True,
+    before = set(segments())
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+    (segment,) = set(segments()) - before
+    return segment
+
+
+def api_server_configured_with(out: Path) -> object:
+    """A StatLogger as vLLM's API server builds it, from a config whose additional_config names telemetry_json=out:
+    this process may then write that file for a descendant engine that ended without writing it."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    config = SimpleNamespace(model_config=SimpleNamespace(served_model_name="tiny"),
+                             additional_config={"activekv": {"telemetry_json": str(out)}})
+    return telemetry.StatLogger(config, [0], prometheus_client.CollectorRegistry)
+
+
+def test_telemetry_json_of_a_child_that_ends_with_os_exit_is_written_by_its_ancestor(
+    seg_dir: dict[str, str], tmp_path: Path
+) -> None:
+    # vLLM's engine-core process ends with os._exit: no destructor, no atexit. The segment keeps the final values and
+    # the ancestor's reader (the API server's collector, configured with the same option) writes the file when it
+    # finds the process gone.
+    out = tmp_path / "engine-core.json"
+    api_server_configured_with(out)
+    end_engine_core_with_os_exit(seg_dir, out)
     assert not out.exists()
-    assert len(list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob("activekv-telemetry.*"))) == 1
+    assert len(segments()) == 1
     telemetry.process_tree_snapshots()
     assert json.loads(out.read_text())["info"]["num_layers"] == 3
-    assert list(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]).glob("activekv-telemetry.*")) == []
+    assert segments() == []
+
+
+# ------------------------------------------------------------------ hostile input in the telemetry folder (issue 29)
+# The base folder (/dev/shm, or ACTIVEKV_TELEMETRY_DIR) is writable by every local user. Running as root here,
+# "another user" is a file chown-ed to OTHER_UID.
+
+OTHER_UID = 65534
+
+# Run as a child (env: ACTIVEKV_TELEMETRY_DIR, PYTHONPATH): one StatLogger as vLLM's API server builds it (which also
+# registers the exit-time collection), one reading of the process tree and one Prometheus scrape, then a normal exit.
+SCRAPE = textwrap.dedent(
+    """
+    import torch
+    import prometheus_client
+    from types import SimpleNamespace
+    import activekv._telemetry as telemetry
+    registry = prometheus_client.CollectorRegistry()
+    telemetry.StatLogger(SimpleNamespace(model_config=SimpleNamespace(served_model_name="tiny")), [0], lambda: registry)
+    telemetry.process_tree_snapshots()
+    print("SCRAPED", prometheus_client.generate_latest(registry).decode().count("activekv_engines{"), flush=True)
+    """
+)
+
+# Prepended to CHILD: plant a link to $TARGET at the name the engine's segment had (`activekv-telemetry.<pid>.0`),
+# in the base folder and in telemetry_dir(), before the engine is built.
+PLANT_LINKS = textwrap.dedent(
+    """
+    import os, torch
+    import activekv._telemetry as telemetry
+    os.makedirs(telemetry.telemetry_dir(), mode=0o700, exist_ok=True)
+    for folder in {os.environ["ACTIVEKV_TELEMETRY_DIR"], telemetry.telemetry_dir()}:
+        os.symlink(os.environ["TARGET"], f"{folder}/activekv-telemetry.{os.getpid()}.0")
+    """
+)
+
+
+def user_folder(env: dict[str, str]) -> Path:
+    return Path(env["ACTIVEKV_TELEMETRY_DIR"]) / f"activekv-telemetry-{os.geteuid()}"
+
+
+def tree(root: Path) -> list[str]:
+    """Every path under root, links not followed."""
+    return sorted(os.path.join(d, n) for d, dirs, files in os.walk(root) for n in dirs + files)
+
+
+def test_a_fifo_named_like_a_segment_never_hangs_a_scrape_or_the_exit_time_collection(
+    seg_dir: dict[str, str]
+) -> None:
+    pytest.importorskip("prometheus_client")
+    folder = Path(telemetry.telemetry_dir())
+    folder.mkdir(mode=0o700, exist_ok=True)
+    fifos = {where / "activekv-telemetry.1.0" for where in (Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]), folder)}
+    for fifo in fifos:
+        os.mkfifo(fifo, 0o600)
+    try:
+        done = subprocess.run([sys.executable, "-c", SCRAPE], cwd=REPO, env=seg_dir, capture_output=True, text=True,
+                              timeout=60)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the scrape or the exit-time collection hung on a FIFO (killed after {e.timeout} s; "
+                    f"stdout so far: {e.stdout!r})")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "SCRAPED 1\n"
+    assert all(stat.S_ISFIFO(fifo.lstat().st_mode) for fifo in fifos)
+
+
+@pytest.mark.parametrize("kind", ["owned by another user", "mode 0644", "a link to a segment", "one byte longer"])
+def test_a_segment_that_is_not_a_0600_file_of_this_user_is_neither_read_nor_removed(
+    seg_dir: dict[str, str], tmp_path: Path, kind: str
+) -> None:
+    # A page another user wrote names the file the serving user is to overwrite. This process is configured with that
+    # very path, so only the collector's check of the file keeps it from writing there.
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    api_server_configured_with(victim)
+    segment = end_engine_core_with_os_exit(seg_dir, victim)
+    if kind == "owned by another user":
+        os.chown(segment, OTHER_UID, OTHER_UID)
+    elif kind == "mode 0644":
+        segment.chmod(0o644)
+    elif kind == "a link to a segment":
+        away = tmp_path / "away"
+        away.mkdir()
+        segment.rename(away / segment.name)
+        segment.symlink_to(away / segment.name)
+    else:
+        with segment.open("ab") as f:
+            f.write(b"\0")
+    telemetry.process_tree_snapshots()
+    assert victim.read_text() == "precious\n"
+    assert segment.is_symlink() or segment.is_file()  # not ours to remove either
+
+
+def test_the_collector_never_writes_a_json_path_it_was_not_configured_with(
+    seg_dir: dict[str, str], tmp_path: Path
+) -> None:
+    # The page's json_path is data from a shared file: the collector writes only a path its own configuration names.
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    end_engine_core_with_os_exit(seg_dir, victim)
+    api_server_configured_with(tmp_path / "configured.json")
+    telemetry.process_tree_snapshots()
+    assert victim.read_text() == "precious\n"
+    assert not (tmp_path / "configured.json").exists()
+
+
+def test_a_link_planted_at_the_segment_name_is_never_followed(seg_dir: dict[str, str], tmp_path: Path) -> None:
+    target = tmp_path / "precious"
+    target.write_text("precious\n")
+    proc, pid = start_child({**seg_dir, "TARGET": str(target)}, PLANT_LINKS + CHILD)
+    try:
+        assert target.read_bytes() == b"precious\n"  # neither truncated nor resized
+        (segment,) = [p for p in segments(f"activekv-telemetry.{pid}.*") if not p.is_symlink()]
+        assert stat.S_ISREG(segment.lstat().st_mode) and segment.lstat().st_mode & 0o777 == 0o600
+        (snap,) = child_snapshots(pid)
+        assert snap["forward_calls"] == 1
+    finally:
+        _, err = proc.communicate("", timeout=60)
+    assert err == ""
+    assert target.read_text() == "precious\n"
+    assert all(p.is_symlink() for p in segments(f"activekv-telemetry.{pid}.*"))  # the engine removed only its own
+
+
+def test_segments_live_in_a_private_folder_of_the_user_under_unpredictable_names(seg_dir: dict[str, str]) -> None:
+    folder = user_folder(seg_dir)
+    proc, pid = start_child(seg_dir)
+    try:
+        assert telemetry.telemetry_dir() == str(folder)
+        st = folder.lstat()
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o7777 == 0o700
+        (segment,) = folder.glob(f"activekv-telemetry.{pid}.*")
+        assert re.fullmatch(rf"activekv-telemetry\.{pid}\.\d+\.[0-9a-f]{{16}}", segment.name), segment.name
+        assert tree(Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"])) == [str(folder), str(segment)]
+    finally:
+        proc.communicate("", timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("plant", "found"),
+    [
+        ("a link to a folder of ours", "a symbolic link"),
+        ("mode 0755", "mode 0755"),
+        ("another user's", f"owner uid {OTHER_UID}"),
+        ("a regular file", "a regular file"),
+    ],
+)
+def test_a_telemetry_folder_that_is_not_private_disables_publishing_with_a_warning(
+    seg_dir: dict[str, str], capfd: pytest.CaptureFixture[str], plant: str, found: str
+) -> None:
+    base, folder = Path(seg_dir["ACTIVEKV_TELEMETRY_DIR"]), user_folder(seg_dir)
+    if plant == "a link to a folder of ours":
+        (base / "elsewhere").mkdir(mode=0o700)
+        folder.symlink_to(base / "elsewhere")
+    elif plant == "mode 0755":
+        folder.mkdir()
+        folder.chmod(0o755)
+    elif plant == "another user's":
+        folder.mkdir(mode=0o700)
+        os.chown(folder, OTHER_UID, OTHER_UID)
+    else:
+        folder.write_text("")
+    before = tree(base)
+    proc, pid = start_child(seg_dir)  # its engine runs (READY after a step), unpublished
+    try:
+        assert child_snapshots(pid) == []
+        assert tree(base) == before  # no segment anywhere: not in the base, the folder or the link's target
+    finally:
+        _, err = proc.communicate("", timeout=60)
+    assert proc.returncode == 0
+    expected = (f"must be a directory owned by uid {os.geteuid()} with mode 0700 (not a symbolic link), "
+                f"found {found}")
+    assert err.count("activekv: ") == 1 and "telemetry publishing disabled" in err, err
+    assert str(folder) in err and expected in err, err
+    reader = capfd.readouterr().err  # this process's collector skipped the folder, and said why
+    assert "telemetry of other processes not read" in reader and expected in reader, reader
+
+
+def test_the_json_is_written_through_a_new_temporary_file_never_through_a_planted_link(tmp_path: Path) -> None:
+    # The temporary file beside telemetry_json was `<path>.tmp.<pid>`, opened with truncation: a link planted at that
+    # name in a shared folder (/tmp) made the engine overwrite the link's target.
+    out, target = tmp_path / "run.json", tmp_path / "precious"
+    target.write_text("precious\n")
+    code = textwrap.dedent(
+        f"""
+        import gc, os, torch
+        import activekv._backend as backend
+        from tests.test_telemetry_publish import SPEC, vllm_config
+        os.symlink({str(target)!r}, {str(out)!r} + ".tmp." + str(os.getpid()))
+        print(os.getpid(), os.umask(0o022), flush=True)
+        b = backend.Builder(SPEC, ["l0"], vllm_config({{"telemetry_json": {str(out)!r}}}), torch.device("cpu"))
+        del b
+        gc.collect()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    pid = int(done.stdout.split()[0])
+    assert target.read_text() == "precious\n"
+    assert json.loads(out.read_text())["info"]["num_layers"] == 1
+    assert not out.is_symlink() and out.stat().st_mode & 0o777 == 0o644  # 0666 less the umask, as before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["precious", "run.json", f"run.json.tmp.{pid}"]
+
+
+# ------------------------------------------------------------------------------------------ Collector labels
+
+
+@pytest.mark.parametrize(
+    ("labels", "error", "message"),
+    [
+        ({"model-name": "tiny"}, ValueError, "label name must match [a-zA-Z_][a-zA-Z0-9_]*, got 'model-name'"),
+        ({"9lives": "tiny"}, ValueError, "label name must match [a-zA-Z_][a-zA-Z0-9_]*, got '9lives'"),
+        ({"": "tiny"}, ValueError, "label name must match [a-zA-Z_][a-zA-Z0-9_]*, got ''"),
+        ({"modèle": "tiny"}, ValueError, "label name must match [a-zA-Z_][a-zA-Z0-9_]*, got 'modèle'"),
+        ({"__name__": "tiny"}, ValueError, "label name must not start with '__' (reserved for Prometheus), got "
+                                           "'__name__'"),
+        ({"le": "1.0"}, ValueError, "label name must not be 'le' (the histograms' bucket label), got 'le'"),
+        ({"model_name": "\udc80"}, ValueError, "the value of 'model_name' must be valid UTF-8 text, got '\\udc80'"),
+        ({"model_name": 3}, TypeError, "the value of 'model_name' must be a str, got 3"),
+        ({3: "tiny"}, TypeError, "label names must be str, got 3"),
+    ],
+)
+def test_collector_rejects_labels_that_would_break_every_scrape(labels: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match="^Collector labels: " + re.escape(message) + "$"):
+        telemetry.Collector(labels)
+
+
+def test_a_stat_logger_with_a_served_model_name_that_is_not_utf8_fails_at_construction() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    config = SimpleNamespace(model_config=SimpleNamespace(served_model_name=["\udc80"]))
+    with pytest.raises(ValueError, match=re.escape("the value of 'model_name' must be valid UTF-8 text")):
+        telemetry.StatLogger(config, [0], lambda: registry)
+    assert prometheus_client.generate_latest(registry) == b""
+
+
+def test_collector_label_values_are_escaped_in_exposition_and_copied_at_construction() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    value = 'ti"ny\\ \n é'
+    labels = {"model_name": value, "replica": ""}
+    registry = prometheus_client.CollectorRegistry()
+    registry.register(telemetry.Collector(labels))
+    labels["bad-name"] = 3  # the caller's dict changed later: the collector keeps what it checked
+    text = prometheus_client.generate_latest(registry).decode()
+    assert 'model_name="ti\\"ny\\\\ \\n é"' in text
+    engines = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "activekv_engines"]
+    assert [s.labels for s in engines] == [{"model_name": value, "replica": ""}]

@@ -422,8 +422,12 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
                           "model_config.get_num_attention_heads(parallel_config)", "an int");
   py::dict opts = activekv_options(vllm_config);
   std::map<std::string, std::string> text;  // the str options, as UTF-8
-  for (const char* key : {"mode", "kernel", "telemetry_json"})
+  for (const char* key : {"mode", "kernel"})
     if (opts.contains(key)) text[key] = utf8_str(opts[key], c10::str("additional_config['activekv']['", key, "']"));
+  if (opts.contains("telemetry_json"))  // a path: read below as os.fsencode reads it (undecodable bytes are valid)
+    TORCH_CHECK_TYPE(py::isinstance<py::str>(opts["telemetry_json"]),
+                     "additional_config['activekv']['telemetry_json'] must be a str, got ",
+                     std::string(py::repr(opts["telemetry_json"])));
   const std::string mode = text.count("mode") ? text["mode"] : "exact";
   activekv::EngineConfig cfg;
   // The engine's own messages name the setting ("mode must be ..."); at start-up, name the option the user wrote.
@@ -457,11 +461,26 @@ std::shared_ptr<Engine> make_builder_engine(py::handle kv_cache_spec, const std:
   TORCH_CHECK_VALUE(cfg.pool_blocks >= 1, "additional_config['activekv']['pool_blocks'] must be >= 1, got ",
                     cfg.pool_blocks);
   std::string telemetry_json;
-  if (text.count("telemetry_json")) {
-    telemetry_json = text["telemetry_json"];
+  if (opts.contains("telemetry_json")) {
+    // A path's bytes as Python's os functions would use them (a name of undecodable bytes is a valid path).
+    const auto bytes = activekv::py_glue::fs_path_of(opts["telemetry_json"]);
+    TORCH_CHECK_VALUE(bytes.has_value(),
+                      "additional_config['activekv']['telemetry_json'] must be a path os.fsencode() can encode, got ",
+                      std::string(py::repr(opts["telemetry_json"])));
+    telemetry_json = *bytes;
+    // The C library reads a path up to its first NUL: '/tmp/run\0.json' would check and write '/tmp/run'.
+    TORCH_CHECK_VALUE(telemetry_json.find('\0') == std::string::npos,
+                      "additional_config['activekv']['telemetry_json'] must be a file path without NUL characters, "
+                      "got ",
+                      std::string(py::repr(opts["telemetry_json"])));
     TORCH_CHECK_VALUE(!telemetry_json.empty() && telemetry_json.back() != '/',
                       "additional_config['activekv']['telemetry_json'] must be a file path, got '", telemetry_json,
                       "'");
+    struct stat target {};
+    // A directory would only fail at shutdown (the rename over it), where no one sees the error.
+    TORCH_CHECK_VALUE(::stat(telemetry_json.c_str(), &target) != 0 || !S_ISDIR(target.st_mode),
+                      "additional_config['activekv']['telemetry_json'] must name a file, got '", telemetry_json,
+                      "' (an existing directory)");
     const auto slash = telemetry_json.rfind('/');
     const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : telemetry_json.substr(0, slash);
     struct stat st {};

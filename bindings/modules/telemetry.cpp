@@ -4,9 +4,11 @@
 #include <activekv/telemetry.h>
 #include <activekv_py/common.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 namespace py = pybind11;
 using activekv::py_glue::snapshot_to_dict;
@@ -146,12 +148,70 @@ struct StatLogger {
   py::object collector;
 };
 
+// UTF-8 of a str, or nullopt when it has none (a lone surrogate, as os.fsdecode makes of undecodable bytes).
+std::optional<std::string> utf8_of(const py::handle& s) {
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(s.ptr(), &size);
+  if (data == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  return std::string(data, static_cast<size_t>(size));
+}
+
+bool is_label_name(const std::string& n) {
+  const auto head = [](char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; };
+  if (n.empty() || !head(n[0])) return false;
+  return std::all_of(n.begin() + 1, n.end(), [&](char c) { return head(c) || (c >= '0' && c <= '9'); });
+}
+
+// A copy of `labels` whose every name and value a scrape can write: prometheus_client escapes values but fails on a
+// value that is not a str or not UTF-8, and writes names it does not check (an invalid one breaks the scraper's
+// parser, '__' ones are Prometheus' own), on every scrape from then on. The copy keeps later changes of the
+// caller's dict out.
+py::dict checked_labels(const py::dict& labels) {
+  py::dict out;
+  for (auto [key, value] : labels) {
+    TORCH_CHECK_TYPE(py::isinstance<py::str>(key), "Collector labels: label names must be str, got ",
+                     std::string(py::repr(key)));
+    const auto name = utf8_of(key);
+    TORCH_CHECK_VALUE(name && is_label_name(*name),
+                      "Collector labels: label name must match [a-zA-Z_][a-zA-Z0-9_]*, got ",
+                      std::string(py::repr(key)));
+    TORCH_CHECK_VALUE(name->rfind("__", 0) != 0,
+                      "Collector labels: label name must not start with '__' (reserved for Prometheus), got '", *name,
+                      "'");
+    TORCH_CHECK_VALUE(*name != "le",
+                      "Collector labels: label name must not be 'le' (the histograms' bucket label), got '", *name,
+                      "'");
+    TORCH_CHECK_TYPE(py::isinstance<py::str>(value), "Collector labels: the value of '", *name,
+                     "' must be a str, got ", std::string(py::repr(value)));
+    TORCH_CHECK_VALUE(utf8_of(value).has_value(), "Collector labels: the value of '", *name,
+                      "' must be valid UTF-8 text, got ", std::string(py::repr(value)));
+    out[key] = value;
+  }
+  return out;
+}
+
 py::dict model_labels(const py::handle& vllm_config) {
   py::dict labels;
   py::object name = vllm_config.attr("model_config").attr("served_model_name");
   if (py::isinstance<py::list>(name) || py::isinstance<py::tuple>(name)) name = name[py::int_(0)];
   labels["model_name"] = py::str(name);
-  return labels;
+  return checked_labels(labels);
+}
+
+// The telemetry_json option of vLLM's configuration (additional_config['activekv']['telemetry_json']), or "" when it
+// is absent or not a plain str path (the engine core's Builder reports those).
+std::string configured_telemetry_json(const py::handle& vllm_config) {
+  py::object extra = py::getattr(vllm_config, "additional_config", py::none());
+  if (!py::isinstance<py::dict>(extra)) return "";
+  py::dict d = extra.cast<py::dict>();
+  if (!d.contains("activekv") || !py::isinstance<py::dict>(d["activekv"])) return "";
+  py::dict opts = d["activekv"].cast<py::dict>();
+  if (!opts.contains("telemetry_json") || !py::isinstance<py::str>(opts["telemetry_json"])) return "";
+  const auto path = activekv::py_glue::fs_path_of(opts["telemetry_json"]);  // the bytes the Builder records
+  return path && path->find('\0') == std::string::npos ? *path : "";
 }
 
 }  // namespace
@@ -205,7 +265,8 @@ PYBIND11_MODULE(_telemetry, m) {
       "One snapshot dict (with pid and engine_id) per live engine of this process and of every process descended "
       "from it (read from their shared segments in telemetry_dir()).");
   m.def("telemetry_dir", &activekv::telemetry_dir,
-        "Directory of the engines' shared telemetry segments: $ACTIVEKV_TELEMETRY_DIR, else /dev/shm.");
+        "Folder of this user's telemetry segments: <base>/activekv-telemetry-<uid>, the base being "
+        "$ACTIVEKV_TELEMETRY_DIR, else /dev/shm.");
   m.def(
       "snapshot_json", []() {
         std::vector<activekv::TelemetrySnapshot> all;
@@ -240,7 +301,10 @@ PYBIND11_MODULE(_telemetry, m) {
       .def("__repr__", [](const MetricFamily& f) { return "MetricFamily(" + f.name + ", " + f.type + ")"; });
   py::class_<Collector>(m, "Collector",
                         "A prometheus_client collector: collect() reads the process tree's telemetry at each scrape.")
-      .def(py::init([](py::dict labels) { return Collector{labels}; }), py::arg("labels") = py::dict())
+      .def(py::init([](const py::dict& labels) { return Collector{checked_labels(labels)}; }),
+           py::arg("labels") = py::dict(),
+           "labels: {name: value} added to every sample, str to str; names match [a-zA-Z_][a-zA-Z0-9_]*, not '__...' "
+           "nor 'le', values are UTF-8 text (escaped in exposition). TypeError/ValueError otherwise.")
       .def("collect", [](const Collector& c) { return families(c.labels); },
            "Every activekv_* metric family: counters (_total), forward latency (seconds) and blocks admitted per "
            "forward histograms, engines and layers gauges.")
@@ -249,12 +313,17 @@ PYBIND11_MODULE(_telemetry, m) {
   py::class_<StatLogger>(m, "StatLogger",
                          "vLLM's AggregateStatLoggerBase contract. The constructor (start-up, API server process) "
                          "calls registry_getter() (vLLM's get_prometheus_registry) once and registers a Collector "
-                         "labelled with the served model name; record() and log_engine_initialized() do nothing: the "
+                         "labelled with the served model name (ValueError when it is not UTF-8 text), and lets this "
+                         "process write the telemetry_json file its additional_config names for engine-core "
+                         "processes that end with os._exit; record() and log_engine_initialized() do nothing: the "
                          "values are read from the engines at scrape time, never pushed per step.")
       .def(py::init([](py::object vllm_config, py::object engine_indexes, py::object registry_getter) {
-             activekv::collect_ended_descendants_at_exit();  // telemetry_json of engine-core processes
-             py::object registry = registry_getter();
              py::object collector = py::cast(Collector{model_labels(vllm_config)});
+             // telemetry_json of engine-core processes that end with os._exit: this process writes the path its own
+             // configuration names (vLLM hands the engine core the same one), never one read from a segment.
+             activekv::expect_descendant_telemetry_json(configured_telemetry_json(vllm_config));
+             activekv::collect_ended_descendants_at_exit();
+             py::object registry = registry_getter();
              try {
                registry.attr("register")(collector);
              } catch (py::error_already_set& e) {

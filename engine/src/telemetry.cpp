@@ -4,11 +4,13 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <algorithm>
+#include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -30,6 +32,7 @@ constexpr int kAncestors = 8;
 constexpr int kJsonPath = 1024;
 const char* const kHistogramNames[kHistograms] = {"forward_latency_us", "blocks_admitted_per_forward"};
 constexpr const char* kSegmentPrefix = "activekv-telemetry.";
+constexpr const char* kFolderPrefix = "/activekv-telemetry-";  // + the effective uid, under telemetry_base_dir()
 
 /// The published layout: plain data and lock-free 8-byte atomics only (address-free, so valid across processes).
 /// `magic` is stored last (release) once the header is written; a reader checks it, `layout` and the file size.
@@ -71,6 +74,8 @@ struct Registry {
   int64_t next_id = 0;
   std::map<int64_t, const Telemetry*> live;
   std::map<std::string, std::vector<TelemetrySnapshot>> ended;  ///< json path -> snapshots of destroyed engines
+  std::set<std::string> descendant_json;  ///< paths this process may write for ended descendants (its own config)
+  std::set<std::string> warned;           ///< warnings already printed (each once per process)
   bool atexit_registered = false;
   bool reader_atexit_registered = false;
 };
@@ -108,6 +113,103 @@ bool descends_from(int64_t pid, int64_t ancestor) {
     pid = ppid;
   }
   return pid == ancestor;
+}
+
+/// Print `message` on stderr the first time this process meets it (a scrape every few seconds must not flood).
+void warn_once(const std::string& message) {
+  auto& r = registry();
+  {
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (!r.warned.insert(message).second) return;
+  }
+  std::fprintf(stderr, "activekv: %s\n", message.c_str());
+}
+
+std::string file_kind(mode_t mode) {
+  if (S_ISREG(mode)) return "a regular file";
+  if (S_ISLNK(mode)) return "a symbolic link";
+  if (S_ISFIFO(mode)) return "a FIFO";
+  if (S_ISSOCK(mode)) return "a socket";
+  if (S_ISCHR(mode) || S_ISBLK(mode)) return "a device";
+  return "not a directory";
+}
+
+/// What an operator can do about a folder open_private_folder() refuses.
+constexpr const char* kFolderFix =
+    "; remove it, or set ACTIVEKV_TELEMETRY_DIR to a folder only this user can write (the engines and the API server "
+    "must see the same one)";
+
+/// Open `path` (telemetry_dir(): the user's private folder) as a directory descriptor (O_CLOEXEC), after checking
+/// that it is a directory (not a symbolic link) owned by this user with mode 0700: the base folder is writable by
+/// every local user, so anyone may have created that name first. `create`: make it (mode 0700) when it does not
+/// exist. Returns -1 with `why` empty when it does not exist (and `create` is false), or with `why` saying what was
+/// expected and what was found. Every later access goes through the descriptor (openat, unlinkat), so the folder
+/// checked is the folder used even if the name is replaced meanwhile.
+int open_private_folder(const std::string& path, bool create, std::string* why) {
+  const uid_t uid = ::geteuid();
+  const std::string expected =
+      path + " must be a directory owned by uid " + std::to_string(uid) + " with mode 0700 (not a symbolic link)";
+  bool created = false;
+  if (create) {
+    if (::mkdir(path.c_str(), 0700) == 0) {
+      created = true;
+    } else if (errno != EEXIST) {
+      *why = "cannot create " + path + ": " + std::strerror(errno);
+      return -1;
+    }
+  }
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    struct stat st {};
+    if (err == ENOENT && !create) return -1;  // no engine of this user has published here yet
+    if ((err == ELOOP || err == ENOTDIR) && ::lstat(path.c_str(), &st) == 0) {
+      *why = expected + ", found " + file_kind(st.st_mode) + kFolderFix;
+    } else {
+      *why = "cannot open " + path + ": " + std::strerror(err);
+    }
+    return -1;
+  }
+  struct stat st {};
+  if (created) ::fchmod(fd, 0700);  // mkdir's mode is reduced by the umask
+  if (::fstat(fd, &st) != 0) {
+    *why = "cannot stat " + path + ": " + std::strerror(errno);
+  } else if (st.st_uid != uid) {
+    *why = expected + ", found owner uid " + std::to_string(st.st_uid) + kFolderFix;
+  } else if ((st.st_mode & 07777) != 0700) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    *why = expected + ", found mode " + mode + kFolderFix;
+  } else {
+    return fd;
+  }
+  ::close(fd);
+  return -1;
+}
+
+/// 16 hex digits from the kernel's random source: segment names nobody can predict. A collision is still checked
+/// (O_EXCL); without getrandom the clock and a counter only keep the names apart.
+std::string random_suffix() {
+  uint64_t bits = 0;
+  if (::getrandom(&bits, sizeof bits, GRND_NONBLOCK) != static_cast<ssize_t>(sizeof bits)) {
+    static std::atomic<uint64_t> counter{0};
+    bits = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()) * 0x9e3779b97f4a7c15ULL ^
+           counter.fetch_add(1, std::memory_order_relaxed);
+  }
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(bits));
+  return hex;
+}
+
+/// This process's umask, read without changing it (umask(2) would set it, racing other threads): /proc/self/status
+/// has it since Linux 4.7; 022 otherwise.
+mode_t process_umask() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("Umask:", 0) == 0) return static_cast<mode_t>(std::strtoul(line.c_str() + 6, nullptr, 8));
+  }
+  return 022;
 }
 
 void init_page(TelemetryPage* p, int64_t engine_id) {
@@ -187,16 +289,30 @@ std::string json_double(double v) {
 
 void write_json_file(const std::string& path, const std::vector<TelemetrySnapshot>& all) {
   const std::string text = snapshot_to_json(merge_snapshots(all));
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::trunc);
-    TORCH_CHECK(static_cast<bool>(f), "cannot write ActiveKV telemetry to ", tmp, ": ", std::strerror(errno));
-    f << text << "\n";
-    f.close();
-    TORCH_CHECK(!f.fail(), "cannot write ActiveKV telemetry to ", tmp);
+  // A new file of an unpredictable name (mkostemp: O_CREAT | O_EXCL), never one found there: the folder may be
+  // shared (/tmp), and a link planted at a name we would open with truncation makes us overwrite its target.
+  std::string tmp = path + ".tmp.XXXXXX";
+  const int fd = ::mkostemp(tmp.data(), O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "cannot create a temporary file ", tmp, " for ActiveKV telemetry: ", std::strerror(errno));
+  ::fchmod(fd, 0666 & ~process_umask());  // as an ordinary new file (mkostemp makes it 0600)
+  const std::string data = text + "\n";
+  size_t done = 0;
+  int err = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = n < 0 ? errno : EIO;
+      break;
+    }
+    done += static_cast<size_t>(n);
   }
-  TORCH_CHECK(std::rename(tmp.c_str(), path.c_str()) == 0, "cannot rename ", tmp, " to ", path, ": ",
-              std::strerror(errno));
+  if (::close(fd) != 0 && err == 0) err = errno;
+  if (err == 0 && std::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0) {
+    ::unlink(tmp.c_str());
+    TORCH_CHECK(false, "cannot write ActiveKV telemetry to ", path, " (through ", tmp, "): ", std::strerror(err));
+  }
 }
 
 void write_json_locked(Registry& r, const std::string& path) {
@@ -291,10 +407,12 @@ void Histogram::observe(double value) {
   sum += value;
 }
 
-std::string telemetry_dir() {
+std::string telemetry_base_dir() {
   const char* env = std::getenv("ACTIVEKV_TELEMETRY_DIR");
   return env != nullptr && *env != '\0' ? std::string(env) : std::string("/dev/shm");
 }
+
+std::string telemetry_dir() { return telemetry_base_dir() + kFolderPrefix + std::to_string(::geteuid()); }
 
 Telemetry::Telemetry(bool registered) : registered_(registered) {
   int64_t id = -1;
@@ -304,21 +422,46 @@ Telemetry::Telemetry(bool registered) : registered_(registered) {
     id = r.next_id++;
   }
   if (registered_) {
-    const std::string path =
-        telemetry_dir() + "/" + kSegmentPrefix + std::to_string(::getpid()) + "." + std::to_string(id);
-    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    std::string why;
+    const std::string folder = telemetry_dir();
+    const int dir = open_private_folder(folder, /*create=*/true, &why);
+    int fd = -1;
+    std::string name;
+    // A new file, never one found there (O_EXCL; O_NOFOLLOW for good measure), of a name nobody can predict; a
+    // collision, however unlikely, draws another name.
+    for (int attempt = 0; dir >= 0 && fd < 0 && attempt < 8; ++attempt) {
+      name = kSegmentPrefix + std::to_string(::getpid()) + "." + std::to_string(id) + "." + random_suffix();
+      fd = ::openat(dir, name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+      if (fd < 0 && errno != EEXIST) {
+        why = "cannot create " + folder + "/" + name + ": " + std::strerror(errno);
+        break;
+      }
+    }
     if (fd >= 0) {
       void* mem = MAP_FAILED;
-      if (::ftruncate(fd, sizeof(TelemetryPage)) == 0)
+      // fchmod: the umask may have taken bits off 0600, and a reader accepts exactly 0600.
+      if (::fchmod(fd, 0600) == 0 && ::ftruncate(fd, sizeof(TelemetryPage)) == 0)
         mem = ::mmap(nullptr, sizeof(TelemetryPage), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      const int err = errno;
       ::close(fd);
       if (mem != MAP_FAILED) {
         page_ = new (mem) TelemetryPage();  // the file is zero-filled: every atomic starts at 0
         mapped_ = true;
-        segment_path_ = path;
+        segment_folder_ = folder;
+        segment_name_ = name;
+        segment_path_ = folder + "/" + name;
       } else {
-        ::unlink(path.c_str());
+        ::unlinkat(dir, name.c_str(), 0);
+        why = "cannot map " + folder + "/" + name + ": " + std::strerror(err);
       }
+    } else if (dir >= 0 && why.empty()) {
+      why = "no new segment name in " + folder + " after 8 attempts";
+    }
+    if (dir >= 0) ::close(dir);
+    if (!mapped_) {
+      warn_once("telemetry publishing disabled: " + why +
+                ". This process's engines count as before (snapshot(), telemetry_json), but /metrics and "
+                "/v1/activekv/* of the API server do not see them");
     }
   }
   if (page_ == nullptr) page_ = new TelemetryPage();
@@ -346,7 +489,12 @@ Telemetry::~Telemetry() {
     }
   }
   if (mapped_) {
-    ::unlink(segment_path_.c_str());
+    std::string why;
+    const int dir = open_private_folder(segment_folder_, /*create=*/false, &why);
+    if (dir >= 0) {  // otherwise the folder was replaced meanwhile: remove nothing from whatever is there now
+      ::unlinkat(dir, segment_name_.c_str(), 0);
+      ::close(dir);
+    }
     ::munmap(page_, sizeof(TelemetryPage));
   } else {
     delete page_;
@@ -472,22 +620,38 @@ std::vector<PublishedTelemetry> snapshot_process_tree() {
   const int64_t self = static_cast<int64_t>(::getpid());
   std::vector<PublishedTelemetry> out;
   for (auto& [id, s] : snapshot_live_engines()) out.push_back({self, id, std::move(s)});
-  const std::string dir = telemetry_dir();
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return out;
-  std::vector<std::string> names;
-  while (const dirent* e = ::readdir(d)) {
-    if (std::strncmp(e->d_name, kSegmentPrefix, std::strlen(kSegmentPrefix)) == 0) names.emplace_back(e->d_name);
+  std::set<std::string> configured;  // the telemetry_json paths this process's own configuration named
+  {
+    auto& r = registry();
+    std::lock_guard<std::mutex> lock(r.mu);
+    configured = r.descendant_json;
   }
-  ::closedir(d);
+  std::string why;
+  const int dir = open_private_folder(telemetry_dir(), /*create=*/false, &why);
+  if (dir < 0) {
+    if (!why.empty()) warn_once("telemetry of other processes not read: " + why);
+    return out;
+  }
+  std::vector<std::string> names;
+  const int list_fd = ::fcntl(dir, F_DUPFD_CLOEXEC, 0);
+  if (DIR* d = list_fd >= 0 ? ::fdopendir(list_fd) : nullptr) {
+    while (const dirent* e = ::readdir(d)) {
+      if (std::strncmp(e->d_name, kSegmentPrefix, std::strlen(kSegmentPrefix)) == 0) names.emplace_back(e->d_name);
+    }
+    ::closedir(d);  // closes list_fd
+  } else if (list_fd >= 0) {
+    ::close(list_fd);
+  }
   std::map<std::string, std::vector<TelemetrySnapshot>> orphans;  // json path -> final snapshots of ended engines
   for (const auto& name : names) {
-    const std::string path = dir + "/" + name;
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO for reading would wait for a writer; O_NOFOLLOW: a link is not a segment. Only a
+    // regular file of this user, mode 0600, of a page's exact size is mapped: what an engine of this user creates.
+    const int fd = ::openat(dir, name.c_str(), O_RDONLY | O_NONBLOCK | O_NOFOLLOW | O_NOCTTY | O_CLOEXEC);
     if (fd < 0) continue;
     struct stat st {};
     void* mem = MAP_FAILED;
-    if (::fstat(fd, &st) == 0 && st.st_size == static_cast<off_t>(sizeof(TelemetryPage)))
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() && (st.st_mode & 07777) == 0600 &&
+        st.st_size == static_cast<off_t>(sizeof(TelemetryPage)))
       mem = ::mmap(nullptr, sizeof(TelemetryPage), PROT_READ, MAP_SHARED, fd, 0);
     ::close(fd);
     if (mem == MAP_FAILED) continue;
@@ -497,8 +661,10 @@ std::vector<PublishedTelemetry> snapshot_process_tree() {
       int64_t ppid = 0, start = 0;
       if (!proc_stat(page->pid, &ppid, &start) || start != page->start_ticks) {
         // Its process is gone (or the pid names another process now) without destroying the engine: vLLM's engine
-        // core ends with os._exit. The page holds the final values: when the engine asked for telemetry_json and
-        // this process is its ancestor, write them now; a segment whose ancestors are all gone is removed too.
+        // core ends with os._exit. The page holds the final values: when the engine asked for telemetry_json, this
+        // process is its ancestor and this process's own configuration names the same path, write them now. The
+        // page's path only selects among the paths configured here: a path read from a file is never written to.
+        // A segment whose ancestors are all gone is removed too.
         const int32_t len = page->json_path_len.load(std::memory_order_acquire);
         bool ours = false, orphaned = true;
         for (int i = 0; i < kAncestors && page->ancestors[i] > 0; ++i) {
@@ -506,11 +672,13 @@ std::vector<PublishedTelemetry> snapshot_process_tree() {
           int64_t p2 = 0, s2 = 0;
           if (page->ancestors[i] > 1 && proc_stat(page->ancestors[i], &p2, &s2)) orphaned = false;
         }
-        if (len > 0 && len < kJsonPath && ours) {
-          orphans[std::string(page->json_path, len)].push_back(read_page(*page));
-          ::unlink(path.c_str());
+        const auto path = len > 0 && len < kJsonPath && ours ? configured.find(std::string(page->json_path, len))
+                                                             : configured.end();
+        if (path != configured.end()) {
+          orphans[*path].push_back(read_page(*page));
+          ::unlinkat(dir, name.c_str(), 0);
         } else if (len <= 0 || orphaned) {
-          ::unlink(path.c_str());
+          ::unlinkat(dir, name.c_str(), 0);
         }
       } else if (descends_from(page->pid, self)) {
         out.push_back({page->pid, page->engine_id, read_page(*page)});
@@ -518,6 +686,7 @@ std::vector<PublishedTelemetry> snapshot_process_tree() {
     }
     ::munmap(mem, sizeof(TelemetryPage));
   }
+  ::close(dir);
   for (const auto& [json_path, snaps] : orphans) {
     try {
       write_json_file(json_path, snaps);
@@ -565,6 +734,13 @@ void collect_ended_descendants_at_exit() {
   if (r.reader_atexit_registered) return;
   r.reader_atexit_registered = true;
   std::atexit([] { snapshot_process_tree(); });
+}
+
+void expect_descendant_telemetry_json(const std::string& path) {
+  if (path.empty()) return;
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.descendant_json.insert(path);
 }
 
 void write_telemetry_json(const std::string& path) {

@@ -8,6 +8,9 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <optional>
+#include <string>
+
 namespace activekv::py_glue {
 
 namespace py = pybind11;
@@ -22,6 +25,19 @@ inline void require_torch_imported(const char* module) {
                            " needs torch: run `import torch` before importing it (its tensors, dtypes and devices are "
                            "torch's)");
   }
+}
+
+/// The bytes of a str path as os.fsencode() makes them (undecodable bytes come back from their surrogateescape
+/// form), or nullopt when the file system encoding cannot encode it (a lone surrogate outside that form).
+inline std::optional<std::string> fs_path_of(const py::handle& s) {
+  PyObject* bytes = PyUnicode_EncodeFSDefault(s.ptr());
+  if (bytes == nullptr) {
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  std::string out(PyBytes_AS_STRING(bytes), static_cast<size_t>(PyBytes_GET_SIZE(bytes)));
+  Py_DECREF(bytes);
+  return out;
 }
 
 /// c10::TypeError -> TypeError, c10::ValueError -> ValueError, c10::IndexError -> IndexError,

@@ -8,10 +8,17 @@
 /// Publication across processes: vLLM runs the engine in its engine-core (or worker) process while its API server,
 /// which serves Prometheus' /metrics, is another process. Every registered engine therefore keeps its counters and
 /// histograms in a TelemetryPage, a fixed-layout segment of lock-free atomics mapped from a file
-/// `activekv-telemetry.<pid>.<engine id>` in telemetry_dir() (default /dev/shm, a tmpfs: no disk I/O), created with
-/// mode 0600 and unlinked when the engine is destroyed. A reader in an ancestor process (the API server) maps the
-/// segments of its descendant processes read-only: snapshot_process_tree(). When the segment cannot be created the
-/// engine keeps the same page in heap memory and only its own process sees it.
+/// `activekv-telemetry.<pid>.<engine id>.<16 random hex digits>` in telemetry_dir(), unlinked when the engine is
+/// destroyed. A reader in an ancestor process (the API server) maps the segments of its descendant processes
+/// read-only: snapshot_process_tree().
+///
+/// Hostile input: the base folder (default /dev/shm, a tmpfs: no disk I/O) is writable by every local user, so the
+/// segments live in a per-user folder under it, `<base>/activekv-telemetry-<uid>`, created with mode 0700 and used
+/// only when it is a directory (not a link) owned by this user with mode 0700; segments are new files
+/// (O_CREAT | O_EXCL | O_NOFOLLOW, mode 0600) of unpredictable names; a reader maps only regular files of this user
+/// with mode 0600 and a page's exact size (opened O_NONBLOCK | O_NOFOLLOW: a FIFO or a link is skipped, never waited
+/// on or followed), and never writes to a path read from a page. When the folder is refused or the segment cannot be
+/// created, the engine keeps the same page in heap memory (only its own process sees it) and says why once on stderr.
 #include <array>
 #include <atomic>
 #include <cstdint>
@@ -113,7 +120,8 @@ class Telemetry {
   const std::string& segment_path() const { return segment_path_; }
   /// Write the telemetry of the engines of this process that share `path` (see write_telemetry_json) when this
   /// engine is destroyed and when the process exits normally; when the process ends otherwise (os._exit), an
-  /// ancestor process's snapshot_process_tree() writes it from the segment. Empty: never.
+  /// ancestor process's snapshot_process_tree() writes it from the segment, if that process was configured with the
+  /// same path (expect_descendant_telemetry_json). Empty: never.
   void set_json_path(const std::string& path);
   const std::string& json_path() const { return json_path_; }
 
@@ -121,6 +129,8 @@ class Telemetry {
   TelemetryPage* page_ = nullptr;  ///< mapped segment or heap copy (owned)
   bool mapped_ = false;
   std::string segment_path_;
+  std::string segment_folder_;  ///< telemetry_dir() at creation (the environment may change later)
+  std::string segment_name_;    ///< file name there: unlinked through a freshly checked folder descriptor
   mutable std::mutex mu_;  ///< guards info_ and json_path_
   std::map<std::string, int64_t> info_;
   std::string json_path_;
@@ -135,7 +145,11 @@ std::vector<std::pair<int64_t, TelemetrySnapshot>> snapshot_live_engines();
 /// every other fact only where all snapshots agree. Empty counters when `all` is empty.
 TelemetrySnapshot merge_snapshots(const std::vector<TelemetrySnapshot>& all);
 
-/// Directory of the shared segments: $ACTIVEKV_TELEMETRY_DIR if set, else /dev/shm.
+/// Base folder of the segments: $ACTIVEKV_TELEMETRY_DIR if set, else /dev/shm (writable by every local user).
+std::string telemetry_base_dir();
+
+/// Folder of this user's segments: telemetry_base_dir() + "/activekv-telemetry-<effective uid>" (see the file comment
+/// for what it must be before it is used).
 std::string telemetry_dir();
 
 /// One engine's telemetry as published by some process.
@@ -147,10 +161,17 @@ struct PublishedTelemetry {
 
 /// The telemetry of every live engine of this process (from memory) and of every process descended from it (from
 /// their segments in telemetry_dir()), ordered by (pid, engine id). Segments whose process is gone (or whose pid
-/// was reused: the start time differs) are removed; when such an engine set telemetry_json and this process is one
-/// of its ancestors, its final values (the segment outlives the process) are written to that file first, merged
-/// per path. Segments of unrelated live processes are ignored. Never throws on a bad segment: it is skipped.
+/// was reused: the start time differs) are removed; when such an engine set telemetry_json, this process is one of
+/// its ancestors and expect_descendant_telemetry_json() named the same path here, its final values (the segment
+/// outlives the process) are written to that file first, merged per path. Segments of unrelated live processes are
+/// ignored. Never throws and never blocks on a bad entry: a file that is not a regular 0600 file of this user of a
+/// page's size, or not a page, is skipped and left alone; a refused folder is skipped with one warning on stderr.
 std::vector<PublishedTelemetry> snapshot_process_tree();
+
+/// Let snapshot_process_tree() write `path` for descendant engines that ended (os._exit) and asked for the same
+/// telemetry_json: the API server calls this with the option from its own configuration (vLLM hands the engine core
+/// the same one). The path in a page only selects among these; it is never written to on its own.
+void expect_descendant_telemetry_json(const std::string& path);
 
 /// At this process's normal exit, run snapshot_process_tree() once more, so that descendant engines that ended
 /// with their process (never destroyed) and asked for telemetry_json get their file written (the API server calls
