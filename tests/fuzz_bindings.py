@@ -1320,6 +1320,60 @@ def fuzz_concurrent_entry_points(gs, mode, kernel, workers) -> None:
     assert torch.equal(cache, rcache) and torch.equal(scache, rscache), "concurrent writes lost or mixed"
 
 
+_SERIES_FILES = st.sampled_from(["series", "first patch", "last patch", "contracts.toml"])
+_SERIES_KINDS = st.sampled_from(["fifo", "/dev/zero", "over the cap", "directory", "dangling link", "none"])
+_SERIES_ENTRIES = st.sampled_from(["../x.patch", "/etc/x.patch", "a/b.patch", "x\x01.patch", ".patch", "x.txt",
+                                   "duplicate", "none"])
+
+
+@settings(max_examples=min(int(_EXAMPLES or 60), 60))  # a valid series runs `git apply --check` on the tree
+@given(which=_SERIES_FILES, kind=_SERIES_KINDS, entry=_SERIES_ENTRIES)
+def fuzz_series_folder(which, kind, entry) -> None:
+    """_backend.check_patch_series (the start-up check every Python process with ACTIVEKV runs) on a copy of the
+    installed series with one file replaced by a special file (a FIFO, a link to /dev/zero, a file over the 16 MiB
+    cap, a folder, a dangling link) and/or one hostile entry in the series file: a RuntimeError naming the file or the
+    entry, never a hang (the case's subprocess has a timeout), a crash or a patch read from outside the folder; with
+    neither, the copy checks as applied to this venv's patched vLLM."""
+    import shutil
+    import sysconfig
+    import tempfile
+    from pathlib import Path
+
+    example()
+    installed = Path(__file__).resolve().parents[1] / "patches" / "vllm" / "v0.32.0"
+    root = Path(tempfile.mkdtemp(prefix="activekv-fuzz-series-"))
+    try:
+        series = root / "v0.32.0"
+        shutil.copytree(installed, series)
+        names = [n for n in (series / "series").read_text().split() if n]
+        target = {"series": series / "series", "first patch": series / names[0], "last patch": series / names[-1],
+                  "contracts.toml": series / "contracts.toml"}[which]
+        if entry != "none":
+            bad = names[0] if entry == "duplicate" else entry
+            (series / "series").write_text("\n".join(names + [bad]) + "\n")
+        if kind != "none":
+            target.unlink()
+            if kind == "fifo":
+                os.mkfifo(target)
+            elif kind == "/dev/zero":
+                target.symlink_to("/dev/zero")
+            elif kind == "over the cap":
+                with target.open("wb") as f:
+                    f.truncate((16 << 20) + 1)  # sparse
+            elif kind == "directory":
+                target.mkdir()
+            else:
+                target.symlink_to(root / "nowhere")
+        # contracts.toml is not read by the check: replacing it alone leaves a valid series
+        must = entry != "none" or (kind != "none" and which != "contracts.toml")
+        ok, res = call(lambda: backend.check_patch_series(sysconfig.get_paths()["purelib"], str(series)),
+                       (str(target), repr(entry)[1:-1] if entry != "duplicate" else names[0], "series"), must)
+        if ok:
+            assert res["state"] == "applied", res
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 CASES = sorted(n for n in dir() if n.startswith("fuzz_"))
 
 

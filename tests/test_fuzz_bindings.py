@@ -37,6 +37,7 @@ MIN_CALLS = {
     "fuzz_kv_state_write": 240,
     "fuzz_page_pool": 1400,
     "fuzz_select_blocks": 240,
+    "fuzz_series_folder": 50,
     "fuzz_telemetry": 240,
     "fuzz_telemetry_folder": 240,
     "fuzz_tile_mask": 240,
