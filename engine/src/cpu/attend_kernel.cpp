@@ -245,8 +245,8 @@ inline void kick_kv(const void* kv, int64_t half, int lines) {
 
 // While block c's K is scored, ask for the next block: a K of a page or more (head size 128 in float32) has its first
 // 2 lines and V's asked for, the hardware prefetchers fetching the rest of each page; a smaller K (the e2e model's
-// head size 32) is asked for whole, its V left to the hardware. Each measured best for its size (docs/benchmarks.md,
-// "eighth session"; asking for a whole K of a page or more kept the fill buffers full and stalled).
+// head size 32) is asked for whole, its V left to the hardware. Each measured best for its size (docs/benchmarks.md;
+// asking for a whole K of a page or more kept the fill buffers full and stalled).
 inline void ask_next_block(const AttendArgs& a, int64_t c, int64_t k_bytes) {
   if (c + 1 >= a.num_blocks) return;
   if (k_bytes >= 4096) {
@@ -280,7 +280,7 @@ inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
 }
 
 // Bytes of a chunk's V up to which P x V walks the whole chunk once per vector of the head (below L1d's 48 KiB on
-// the processors measured: docs/benchmarks.md, "Issue 9, sixth session").
+// the processors measured: docs/benchmarks.md).
 constexpr int64_t kChunkVInL1 = 32 * 1024;
 
 // Whether the vector registers (32 with AVX-512, 16 with AVX2) hold the accumulators of 4 query rows times 4 vectors
@@ -489,7 +489,7 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
 // bfloat16 (as ATen's CPU flash attention and vLLM's CPU_ATTN AMX path round it), the A operand spread over the pairs
 // ((p, 0) for the even head values, (0, p) for the odd ones; chunk_rows_amx). Copying V into the pair layout instead
 // (two keys' values of one head value side by side, half the multiplies) measured slower: the copy cost more than
-// the tile work it saved (docs/benchmarks.md, "eighth session"). One consequence: a non-finite value in V also
+// the tile work it saved (docs/benchmarks.md). One consequence: a non-finite value in V also
 // reaches the other head value of its pair (its 0 x inf), where the AVX-512 and ATen paths keep it to its own head
 // value. Query rows are multiplied kAmxRows at a time, fewer padded with zeros. Used for bfloat16 KV when
 // amx_ready(), the head size is a multiple of 32 and the block size of 16 (use_amx); the tile registers are
@@ -590,7 +590,7 @@ void chunk_rows_amx(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, flo
   const auto key_row = [&](int64_t g) { return static_cast<const BF*>(a.kv[c0 + g * 16 / bs]) + (g * 16 % bs) * d; };
   for (int64_t g = 0; g < nk / 16; g += 2) {
     // While a block is scored, the next one (ask_next_block); on AMX a K of a page or more also has the first 4 lines
-    // of the block after's K and V asked for (docs/benchmarks.md, "seventh" and "eighth session").
+    // of the block after's K and V asked for (docs/benchmarks.md).
     const int64_t k_bytes = bs * d * 2;
     for (int64_t h = g; h < std::min(g + 2, nk / 16); ++h) {
       if (h * 16 % bs != 0) continue;
@@ -832,11 +832,11 @@ void quest_scores_as(const QuestArgs& a, int64_t begin, int64_t end) {
   // A block's min (and max) of every head is one run of kvh * d values at a random place (the row's block ids).
   // While a block is scored, the first 4 cache lines of the next block's two runs are asked for, and the hardware's
   // stream prefetchers fetch the rest: asking for whole runs of a page (float32 at 8 KV heads of 128) measured slower
-  // than no prefetch, and no prefetch slower than this (docs/benchmarks.md, "Issue 9, eighth session").
+  // than no prefetch, and no prefetch slower than this (docs/benchmarks.md).
   const int64_t kick = std::min<int64_t>(kvh * d * static_cast<int64_t>(sizeof(M)), 4 * 64);
   // Every query head's bound is kept as a vector over the head size's multiple of kW and kW heads' vectors are summed
   // by one lane_sums (a butterfly of vector additions), instead of one horizontal sum per head: 15-21% less time per
-  // call (docs/benchmarks.md, "Issue 9, ninth session"); a head size off the vector width adds a scalar tail per head.
+  // call (docs/benchmarks.md); a head size off the vector width adds a scalar tail per head.
   const int64_t dv = d - d % kW;
   Vec vbuf[kW];
   thread_local std::vector<float> bounds;  // [kvh * g] the block's bounds (+ kW: lane_sums writes kW at a time)
