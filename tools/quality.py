@@ -1,4 +1,4 @@
-"""Measure compressed mode's quality and write docs/quality.md (issue 3, item 6).
+"""Measure compressed mode's quality and write docs/quality.md.
 
 `python -m tools.quality [--model build/tiny-trained] [--out docs/quality.md] [--json build/quality/quality.json]
 [--parts abcd]` (what `make quality` runs after `python -m tools.train_tiny`):
@@ -674,7 +674,7 @@ def _render_vllm(v: dict[str, Any], results: dict[str, Any]) -> list[str]:
     c4 = v["compressed"]["4"]
     a4 = c4["agreement"]
     full = sum(x == 1.0 for x in a4["prefix"])
-    lines += ["", f"Target (issue 3): at least 95% at budget 1/4. Prefix agreement {_pct(a4['prefix_mean'])}: "
+    lines += ["", f"Target: at least 95% at budget 1/4. Prefix agreement {_pct(a4['prefix_mean'])}: "
               + ("**met**" if a4["prefix_mean"] >= 0.95 else "**missed**")
               + f"; {full} of {len(a4['prefix'])} prompts agree on all {v['new_tokens']} tokens"
               + ("" if full == len(a4["prefix"]) else
@@ -700,7 +700,7 @@ def _render_vllm(v: dict[str, Any], results: dict[str, Any]) -> list[str]:
                f"within {chk['reference_max_abs_diff']:.1e} (largest absolute difference) of "
                f"`tests.reference.engine.RefEngine`'s replay, which mirrors the ATen tile path while this run used "
                f"the engine's `{chk['kernel']}` kernel")
-        lines += ["", "End to end check on this model (issue item 8): decode steps "
+        lines += ["", "End to end check on this model: decode steps "
                   f"{', '.join(map(str, REPLAY_STEPS))} of the 1/4 run recorded with `tools.capture` ({n} layer "
                   "forwards) and replayed on fresh engines: "
                   f"outputs bit-equal to a fresh native engine's replay in {chk['native_equal']}/{n}, "
