@@ -1,9 +1,11 @@
 """The decode attention benchmark's CLI (`python -m tools.bench`, what `make bench` runs) at its smallest size: every
-column is timed (no `n/a`), the exact columns agree with SDPA, and the ratio tables carry both compressed block sizes.
-A check of the tool's tables, not of any speed: the timings of so short a run mean nothing and are not compared."""
+column is timed (no `n/a`), the exact columns agree with SDPA, the JSON it writes (`--json`) holds every cell and the
+run's provenance, and the printed tables are the JSON's. A check of the tool's output, not of any speed: the timings of
+so short a run mean nothing and are not compared."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,55 +17,52 @@ from tools import bench
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def tables(text: str) -> list[list[dict[str, str]]]:
-    """The markdown tables of the bench's output, each a list of rows keyed by the header's cells."""
-    found: list[list[dict[str, str]]] = []
-    header: list[str] | None = None
-    for line in text.splitlines():
-        if not line.startswith("|"):
-            header = None
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if header is None:
-            header = cells
-            found.append([])
-        elif not set(line) <= set("|-"):
-            found[-1].append(dict(zip(header, cells, strict=True)))
-    return found
-
-
 def test_worst_case_union_scales_with_the_block_size() -> None:
     # 2048 tokens: 128 blocks of 16 (125 top-k + 1 sink + 2 recent) or 16 blocks of 128 (13 top-k), per KV head
     assert bench.worst_case_union_blocks() == bench.NUM_KV_HEADS * 125 + 3
     assert bench.worst_case_union_blocks(bench.VLLM_CPU_BLOCK_SIZE) == bench.NUM_KV_HEADS * 13 + 3
 
 
+def test_timed_round_returns_milliseconds_per_step() -> None:
+    calls = []
+    times = bench.timed_round(lambda: calls.append(1), 0.01, 1)
+    assert times and all(0 < t < 1000 for t in times)
+    assert len(calls) >= len(times)  # the Timer ran the step at least once per block it reports
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_bench_cli_times_every_column(dtype: str) -> None:
+def test_bench_cli_times_every_column(dtype: str, tmp_path: Path) -> None:
     pytest.importorskip("activekv._backend")
     pytest.importorskip("vllm")  # the CPU_ATTN columns call vLLM's CPU ops
+    out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tools.bench", "--dtypes", dtype, "--contexts", "2048", "--batches", "1", "2",
-         "--rounds", "1", "--warmup", "1", "--min-reps", "3", "--max-reps", "3", "--budget-s", "0"],
+         "--rounds", "1", "--warmup", "1", "--budget-s", "0", "--json", str(out)],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    main, vs_cpu_attn, ratios = tables(proc.stdout)
-    assert [(r["context"], r["batch"]) for r in main] == [("2k", "1"), ("2k", "2")]
-    for row in main:
-        for column in bench.COLUMNS:
-            if column == bench.COMPRESSED_ONE_UNION and row["batch"] == "1":
-                assert row[column] == bench.SAME_AS_DEFAULT
-            else:
-                assert float(row[column]) > 0, (column, row[column])
+    result = json.loads(out.read_text())
+    assert proc.stdout == bench.markdown(result)  # the printed tables are the JSON's
+    assert result["command"].startswith("python -m tools.bench --dtypes")
+    assert result["machine"]["nproc"] >= 1 and result["versions"]["activekv"] != "unknown"
+    assert result["columns"] == list(bench.COLUMNS)
+    rows = result["rows"]
+    assert [(r["dtype"], r["context"], r["batch"]) for r in rows] == [(dtype, 2048, 1), (dtype, 2048, 2)]
+    for row in rows:
+        cells = row["cells"]
+        expected = set(bench.COLUMNS) - ({bench.COMPRESSED_ONE_UNION} if row["batch"] == 1 else set())
+        assert set(cells) == expected
+        for name, cell in cells.items():
+            assert cell["ms"] > 0 and cell["blocks"] >= 1 and cell["iqr_ms"] >= 0, (name, cell)
+            if name != bench.CPU_ATTN_128:
+                assert cell["anchor_ms"] > 0, name  # the anchor's median over the rounds it alternated with it
         # every exact column (ActiveKV's four, CPU_ATTN's two) within float32 or bfloat16 rounding of SDPA
         tolerance = 1e-5 if dtype == "float32" else 1e-2
-        assert float(row["max diff (exact)"]) < tolerance
+        assert row["max_diff_exact"] < tolerance
         # 2k is within the budget: compressed mode runs exactly, at both block sizes
-        approximate = row["compressed diff (approximate)"].split(" / ")
-        assert len(approximate) == 2
-        assert all(float(a.split(",")[0].removeprefix("max ")) < tolerance for a in approximate), approximate
-    compressed_vs = [f"{bench.CPU_ATTN_128} / {c}" for c in bench.COMPRESSED_VS_CPU_ATTN]
-    assert all(float(r[c].removesuffix("x")) > 0 for r in vs_cpu_attn for c in compressed_vs)
-    assert [r["compressed pool"] for r in ratios] == ["default", "default, block 128", "default", "one union",
-                                                      "default, block 128"]
+        assert set(row["compressed_diff"]) == set(bench.COMPRESSED_VS_CPU_ATTN)
+        assert all(d["max"] < tolerance for d in row["compressed_diff"].values()), row["compressed_diff"]
+    assert "= default" in bench.main_table(result)[2]  # batch 1: pool=one union is the default pool
+    ratios = bench.compressed_ratio_table(result)[2:]
+    assert [line.split(" | ")[3] for line in ratios] == ["default", "default, block 128", "default", "one union",
+                                                         "default, block 128"]

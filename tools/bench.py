@@ -38,19 +38,22 @@ measures quality on a trained model). A second table gives each exact column's t
 CPU default; the target is at most 1.0x) and CPU_ATTN block 128's over compressed mode's at block 16 and 128; a third
 the speed ratios of compressed mode (each pool and block size) against the other columns.
 
-Timings: per (dtype, context, batch), CPU_ATTN block 128 (the anchor of the ratios against vLLM) is built first and
-kept; every other column is built, timed in `--rounds` rounds (default 3) taking turns with the anchor, and freed (so a
-slow spell of a noisy machine falls on both, and one column's memory at a time sits beside the anchor's). A column's
-first round starts with warm-up steps (they also fill the pool), each later round with one; each round repeats the
-step until its share (1 / rounds) of `--min-reps` and `--budget-s` are both met (at most its share of `--max-reps`,
-at least 3; a slow cell stops after its share of `--cap-s`). A cell is the median over all its rounds' repetitions;
-a ratio to the anchor divides by the anchor's median over the rounds it took turns with that column.
-The default run takes a few minutes.
+Timings come from `torch.utils.benchmark` (`Timer.blocked_autorange`, at `--threads` intra-op threads): per
+(dtype, context, batch), CPU_ATTN block 128 (the anchor of the ratios against vLLM) is built first and kept; every
+other column is built, warmed up (`--warmup` steps, which also fill the pool), timed in `--rounds` rounds (default 3)
+taking turns with the anchor (so a slow spell of a noisy machine falls on both, and one column's memory at a time sits
+beside the anchor's), and freed. Each round is one `blocked_autorange` of `--budget-s` / rounds seconds: the Timer
+picks how many steps make a block (fast steps are timed in blocks, slow ones one by one) and repeats blocks until the
+time is spent. A cell is the median over all its rounds' blocks (milliseconds per step); a ratio to the anchor divides
+by the anchor's median over the rounds it took turns with that column. `--json PATH` writes every cell, its spread and
+the run's provenance (command, machine, versions, commit), the data `python -m tools.docs` renders into
+docs/benchmarks.md. The default run takes several minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import shlex
@@ -60,9 +63,11 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import benchmark
 
 NUM_HEADS = 32
 NUM_KV_HEADS = 8
@@ -95,7 +100,7 @@ EXACT_COLUMNS = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN
 # Speed ratios reported per row and compressed column: (column / compressed). Above 1: compressed is that many times
 # faster.
 RATIO_COLUMNS = (CPU_ATTN_16, CPU_ATTN_128, EXACT_POOL_ALL, SDPA)
-# Issue 9's ratios: ActiveKV exact columns against vLLM's CPU default (at most 1.0x is the target), and CPU_ATTN
+# Ratios against vLLM: ActiveKV exact columns against vLLM's CPU default (at most 1.0x is the target), and CPU_ATTN
 # against compressed mode at block 16 and 128 (above 1: compressed is faster).
 VS_CPU_ATTN = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN)
 COMPRESSED_VS_CPU_ATTN = (COMPRESSED_COLUMN, COMPRESSED_BLOCK_128)
@@ -103,15 +108,6 @@ COMPRESSED_VS_CPU_ATTN = (COMPRESSED_COLUMN, COMPRESSED_BLOCK_128)
 COMPRESSED_VARIANTS = ((COMPRESSED_COLUMN, "default"), (COMPRESSED_ONE_UNION, "one union"),
                        (COMPRESSED_BLOCK_128, f"default, block {VLLM_CPU_BLOCK_SIZE}"))
 SAME_AS_DEFAULT = "= default"  # pool=one union at batch 1 is the default pool
-
-
-@dataclass(frozen=True)
-class Timing:
-    warmup: int
-    min_reps: int
-    max_reps: int
-    budget_s: float
-    cap_s: float
 
 
 @dataclass
@@ -164,38 +160,14 @@ def make_case(context: int, batch: int, seed: int, dtype: torch.dtype = torch.fl
     return Case(context, batch, key, value, query, seed)
 
 
-def time_step(step: Callable[[], None], timing: Timing) -> list[float]:
-    """Wall times of `step` in milliseconds, one per repetition, after `warmup` untimed steps.
+def timed_round(step: Callable[[], None], seconds: float, threads: int) -> list[float]:
+    """One round of `step`: `Timer.blocked_autorange` for at least `seconds` at `threads` intra-op threads.
 
-    Repeats until both `min_reps` and `budget_s` are met (at most `max_reps`). A slow path warms up for at most
-    `cap_s` / 2 seconds (at least one step) and stops repeating after `cap_s` seconds once it has 3 repetitions, so
-    one slow column cannot stretch the run far past its budget.
-    """
-    start = time.perf_counter()
-    for i in range(timing.warmup):
-        if i > 0 and time.perf_counter() - start >= timing.cap_s / 2:
-            break
-        step()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < timing.max_reps:
-        elapsed = time.perf_counter() - start
-        if len(times) >= timing.min_reps and elapsed >= timing.budget_s:
-            break
-        if len(times) >= 3 and elapsed >= timing.cap_s:
-            break
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
-
-
-def round_timing(timing: Timing, rounds: int, first: bool) -> Timing:
-    """One round's share of a cell's `timing`: the warm-up steps in the first round (one step in each later round,
-    which brings the column's data back into cache after the other columns ran), and 1 / `rounds` of the
-    repetitions, the budget and the cap (at least 3 repetitions, 1 warm-up step)."""
-    return Timing(timing.warmup if first else 1, max(3, -(-timing.min_reps // rounds)),
-                  max(3, -(-timing.max_reps // rounds)), timing.budget_s / rounds, timing.cap_s / rounds)
+    Returns milliseconds per step, one value per timed block (the Timer sizes a block so that its own overhead is
+    negligible: a fast step is timed in blocks of many calls, a slow one call by call)."""
+    timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=threads)
+    measurement = timer.blocked_autorange(min_run_time=seconds)
+    return [t * 1e3 for t in measurement.times]
 
 
 def sdpa_column(case: Case) -> tuple[Callable[[], None], torch.Tensor]:
@@ -307,15 +279,18 @@ def worst_case_union_blocks(block_size: int = BLOCK_SIZE) -> int:
     return NUM_KV_HEADS * k + COMPRESSED["sink_blocks"] + COMPRESSED["recent_blocks"]
 
 
-def machine_line() -> str:
+def machine_info() -> dict[str, Any]:
+    """The processor (lscpu's model name), the cores and the load average at start, and the line the bench prints."""
     model = platform.processor() or "unknown CPU"
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
         model = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), model)
     except (OSError, subprocess.CalledProcessError):
         pass
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"{model}, nproc {os.cpu_count()}, load average {load} at start (other work skews 2-thread timings)"
+    load = [round(x, 2) for x in os.getloadavg()]
+    line = (f"{model}, nproc {os.cpu_count()}, load average {', '.join(f'{x:.2f}' for x in load)} at start (other "
+            "work skews 2-thread timings)")
+    return {"cpu": model, "nproc": os.cpu_count(), "load_average": load, "line": line}
 
 
 def cpu_attn_isas(dtypes: Sequence[torch.dtype]) -> str:
@@ -358,76 +333,147 @@ def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tup
     }
 
 
-def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequence[int], timing: Timing,
-        seed: int, rounds: int) -> tuple[list[str], list[str], list[str], list[int]]:
-    """Benchmark every (dtype, context, batch); returns (markdown table lines, compressed ratio table lines, exact vs
-    CPU_ATTN ratio table lines, repetitions of every timed cell).
+def run(dtypes: Sequence[torch.dtype], contexts: Sequence[int], batches: Sequence[int], warmup: int, budget_s: float,
+        rounds: int, threads: int, seed: int) -> list[dict[str, Any]]:
+    """Benchmark every (dtype, context, batch); returns one row per case: each column's median ms per step, its spread
+    and number of timed blocks, the anchor's median over the rounds it took turns with each column, and the outputs'
+    differences from SDPA.
 
     Per (dtype, context, batch), CPU_ATTN block 128 (the anchor every ratio against vLLM is taken to) is built first
-    and kept; every other column is then built, timed in `rounds` rounds taking turns with the anchor (so a slow
-    spell of a noisy machine falls on both), and freed before the next (one column's cache and pool at a time beside
-    the anchor's: all of them together outgrow 24 GiB at 32k, batch 8). A cell is the median of its repetitions over
-    the rounds; the anchor's cell the median of all its repetitions. Each column's ratio to the anchor divides by the
-    anchor's median over the rounds it took turns with that column."""
+    and kept; every other column is then built, warmed up, timed in `rounds` rounds taking turns with the anchor (so a
+    slow spell of a noisy machine falls on both), and freed before the next (one column's cache and pool at a time
+    beside the anchor's: all of them together outgrow 24 GiB at 32k, batch 8)."""
     backend, _ = load_backend()
-    header = ["dtype", "context", "batch", *COLUMNS, "max diff (exact)", "compressed diff (approximate)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    ratio_header = ["dtype", "context", "batch", "compressed pool", *(f"{c} / compressed" for c in RATIO_COLUMNS)]
-    ratio_lines = ["| " + " | ".join(ratio_header) + " |", "|" + "---|" * len(ratio_header)]
-    vs_header = ["dtype", "context", "batch", *(f"{c} / {CPU_ATTN_128}" for c in VS_CPU_ATTN),
-                 *(f"{CPU_ATTN_128} / {c}" for c in COMPRESSED_VS_CPU_ATTN)]
-    vs_lines = ["| " + " | ".join(vs_header) + " |", "|" + "---|" * len(vs_header)]
-    reps: list[int] = []
+    rows: list[dict[str, Any]] = []
     for dtype, context, batch in ((t, c, b) for t in dtypes for c in contexts for b in batches):
         case = make_case(context, batch, seed, dtype)
         makers = column_makers(case, backend)
         outputs: dict[str, torch.Tensor] = {}
-        ms: dict[str, float] = {}
-        paired: dict[str, float] = {}  # the anchor's median over the rounds it alternated with each column
+        cells: dict[str, dict[str, float]] = {}
         anchor, outputs[CPU_ATTN_128] = makers.pop(CPU_ATTN_128)()
+        for _ in range(warmup):
+            anchor()
         anchor_times: list[float] = []
         for name, make in makers.items():
             if make is None:
                 continue
             step, outputs[name] = make()
+            for _ in range(warmup):
+                step()
             times: list[float] = []
             with_column: list[float] = []
-            for r in range(rounds):
-                times += time_step(step, round_timing(timing, rounds, r == 0))
-                with_column += time_step(anchor, round_timing(timing, rounds, r == 0 and not anchor_times))
+            for _ in range(rounds):
+                times += timed_round(step, budget_s / rounds, threads)
+                with_column += timed_round(anchor, budget_s / rounds, threads)
             del step  # frees this column's cache and pool before the next one is built
-            ms[name], paired[name] = statistics.median(times), statistics.median(with_column)
+            cells[name] = summary(times) | {"anchor_ms": statistics.median(with_column)}
             anchor_times += with_column
-            reps.append(len(times))
-        ms[CPU_ATTN_128] = statistics.median(anchor_times)
-        reps.append(len(anchor_times))
+        cells[CPU_ATTN_128] = summary(anchor_times)
         del anchor
         reference = outputs[SDPA]
 
         def diff(name: str) -> float:
             return (outputs[name] - reference).abs().max().item()
 
-        worst = max(diff(name) for name in EXACT_COLUMNS if name in outputs)
-        approximate = []  # per compressed block size: the largest difference and the relative L2 error
-        for name in COMPRESSED_VS_CPU_ATTN:
-            if name in outputs:
-                rel = ((outputs[name] - reference).norm() / reference.norm()).item()
-                approximate.append(f"max {diff(name):.1e}, rel {rel:.1e}")
-        compressed = " / ".join(approximate) or MISSING
-        missing = {name: SAME_AS_DEFAULT if name == COMPRESSED_ONE_UNION and backend is not None else MISSING
-                   for name in COLUMNS}
-        cells = [f"{ms[name]:.2f}" if name in ms else missing[name] for name in COLUMNS]
-        label = f"| {str(dtype).removeprefix('torch.')} | {context // 1024}k | {batch} | "
-        lines.append(label + " | ".join(cells) + f" | {worst:.1e} | {compressed} |")
-        for variant, pool in COMPRESSED_VARIANTS:
-            if variant in ms:
-                ratios = [f"{ms[name] / ms[variant]:.2f}x" for name in RATIO_COLUMNS]
-                ratio_lines.append(label + f"{pool} | " + " | ".join(ratios) + " |")
-        vs = [f"{ms[name] / paired[name]:.2f}x" if name in ms else MISSING for name in VS_CPU_ATTN]
-        vs += [f"{paired[name] / ms[name]:.2f}x" if name in ms else MISSING for name in COMPRESSED_VS_CPU_ATTN]
-        vs_lines.append(label + " | ".join(vs) + " |")
+        row: dict[str, Any] = {
+            "dtype": str(dtype).removeprefix("torch."), "context": context, "batch": batch, "cells": cells,
+            "max_diff_exact": max(diff(name) for name in EXACT_COLUMNS if name in outputs),
+            # per compressed block size: the largest difference from SDPA and the relative L2 error
+            "compressed_diff": {name: {"max": diff(name),
+                                       "rel": ((outputs[name] - reference).norm() / reference.norm()).item()}
+                                for name in COMPRESSED_VS_CPU_ATTN if name in outputs}}
+        rows.append(row)
         del case, outputs, reference
-    return lines, ratio_lines, vs_lines, reps
+    return rows
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    """A cell: the median ms per step over its timed blocks, their interquartile range, how many blocks."""
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0], None, times[0])
+    return {"ms": statistics.median(times), "iqr_ms": q3 - q1, "blocks": len(times)}
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _label(row: dict[str, Any]) -> list[str]:
+    return [row["dtype"], f"{row['context'] // 1024}k", str(row["batch"])]
+
+
+def main_table(result: dict[str, Any]) -> list[str]:
+    """Median ms per step of every column, and the outputs' differences from SDPA, one line per case."""
+    lines = []
+    for row in result["rows"]:
+        cells = row["cells"]
+        shown = [f"{cells[c]['ms']:.2f}" if c in cells else
+                 SAME_AS_DEFAULT if c == COMPRESSED_ONE_UNION and EXACT_POOL_ALL in cells else MISSING for c in COLUMNS]
+        approximate = " / ".join(f"max {d['max']:.1e}, rel {d['rel']:.1e}" for d in row["compressed_diff"].values())
+        lines.append([*_label(row), *shown, f"{row['max_diff_exact']:.1e}", approximate or MISSING])
+    return _table(["dtype", "context", "batch", *COLUMNS, "max diff (exact)", "compressed diff (approximate)"], lines)
+
+
+def vs_cpu_attn_table(result: dict[str, Any]) -> list[str]:
+    """Each ActiveKV exact column's ms over CPU_ATTN block 128's, and CPU_ATTN block 128's over compressed mode's,
+    CPU_ATTN's each time its median over the rounds it took turns with that column."""
+    lines = []
+    for row in result["rows"]:
+        cells = row["cells"]
+        vs = [f"{cells[c]['ms'] / cells[c]['anchor_ms']:.2f}x" if c in cells else MISSING for c in VS_CPU_ATTN]
+        vs += [f"{cells[c]['anchor_ms'] / cells[c]['ms']:.2f}x" if c in cells else MISSING
+               for c in COMPRESSED_VS_CPU_ATTN]
+        lines.append([*_label(row), *vs])
+    return _table(["dtype", "context", "batch", *(f"{c} / {CPU_ATTN_128}" for c in VS_CPU_ATTN),
+                   *(f"{CPU_ATTN_128} / {c}" for c in COMPRESSED_VS_CPU_ATTN)], lines)
+
+
+def compressed_ratio_table(result: dict[str, Any]) -> list[str]:
+    """Per compressed column (pool and block size): each of RATIO_COLUMNS' ms over compressed mode's."""
+    lines = []
+    for row in result["rows"]:
+        cells = row["cells"]
+        for variant, pool in COMPRESSED_VARIANTS:
+            if variant in cells:
+                lines.append([*_label(row), pool, *(f"{cells[c]['ms'] / cells[variant]['ms']:.2f}x"
+                                                    for c in RATIO_COLUMNS)])
+    return _table(["dtype", "context", "batch", "compressed pool", *(f"{c} / compressed" for c in RATIO_COLUMNS)],
+                  lines)
+
+
+def setup_line(result: dict[str, Any]) -> str:
+    setup = result["setup"]
+    return (f"decode (1 query token per row), {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head size "
+            f"{HEAD_SIZE}, {' and '.join(setup['dtypes'])} (CPU_ATTN ISA {setup['cpu_attn_isa']}; ActiveKV CPU kernel "
+            f"{setup['activekv_kernel']}), ActiveKV block {BLOCK_SIZE} (and {VLLM_CPU_BLOCK_SIZE} where named) / tile "
+            f"{TILE_BLOCKS} blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink "
+            f"{COMPRESSED['sink_blocks']} / recent {COMPRESSED['recent_blocks']} / default pool batch x "
+            f"{worst_case_union_blocks()} blocks (block {VLLM_CPU_BLOCK_SIZE}: "
+            f"{worst_case_union_blocks(VLLM_CPU_BLOCK_SIZE)}), {setup['threads']} threads; median ms per step of one "
+            f"layer, torch.utils.benchmark blocked_autorange, {setup['budget_s']:g} s per cell in {setup['rounds']} "
+            f"rounds (each column taking turns with {CPU_ATTN_128}); seed {setup['seed']}")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The run as the bench prints it: provenance lines, then the three tables."""
+    out = [f"command: `{result['command']}`", f"machine: {result['machine']['line']}",
+           "versions: " + ", ".join(f"{k} {v}" for k, v in result["versions"].items()),
+           f"setup: {setup_line(result)}; run took {result['elapsed_s']:.0f} s", "", *main_table(result)]
+    out += ["", f"ActiveKV exact against vLLM's CPU default (column's ms / {CPU_ATTN_128} ms; at most 1.00x: as fast "
+            f"or faster), and {CPU_ATTN_128} / compressed at block 16 and {VLLM_CPU_BLOCK_SIZE} (above 1: compressed "
+            "is faster):", "", *vs_cpu_attn_table(result)]
+    ratios = compressed_ratio_table(result)
+    if len(ratios) > 2:
+        out += ["", "Speed ratios (column's ms / compressed ms; above 1: compressed is faster):", "", *ratios]
+    return "\n".join(out) + "\n"
+
+
+def git_commit() -> str:
+    """The checkout's commit, with `-dirty` when tracked files differ from it ("unknown" outside git)."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=12"], capture_output=True,
+                              text=True, check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,18 +481,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="model dtypes")
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="tokens per row")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="rows (requests) per step")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--min-reps", type=int, default=7)
-    parser.add_argument("--max-reps", type=int, default=50)
-    parser.add_argument("--budget-s", type=float, default=1.0, help="seconds of repetitions per cell, at least")
-    parser.add_argument("--cap-s", type=float, default=8.0, help="stop a slow cell after this, once it has 3 reps")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads (torch and the Timer)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before a column's first round")
+    parser.add_argument("--budget-s", type=float, default=1.0,
+                        help="seconds of timed steps per cell, split over the rounds (blocked_autorange's min_run_time)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3,
                         help=f"rounds per (dtype, context, batch), each column taking turns with {CPU_ATTN_128}")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the run (cells and provenance) as JSON")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.warmup < 0 or args.budget_s < 0 or args.threads < 1:
+        parser.error("--warmup and --budget-s must be at least 0, --threads at least 1")
     for n in args.contexts:
         if n % 128:
             parser.error(f"context {n} must be a multiple of 128 (whole blocks at block sizes 16 and 128)")
@@ -460,40 +507,24 @@ def main(argv: list[str] | None = None) -> int:
     akv_capability = akv_backend.cpu_kernel_capability() if akv_backend is not None else MISSING
     if akv_backend is not None and akv_backend.cpu_kernel_amx():
         akv_capability += ", bfloat16 on AMX"
-    machine = machine_line()
+    machine = machine_info()
     started = time.perf_counter()
-    timing = Timing(args.warmup, args.min_reps, args.max_reps, args.budget_s, args.cap_s)
     dtypes = [getattr(torch, name) for name in args.dtypes]
-    table, ratios, vs_cpu_attn, reps = run(dtypes, args.contexts, args.batches, timing, args.seed, args.rounds)
-    elapsed = time.perf_counter() - started
-    command = shlex.join(["python", "-m", "tools.bench", *(argv if argv is not None else sys.argv[1:])])
-    print(f"command: `{command}`")
-    print(f"machine: {machine}")
-    print(f"versions: torch {torch.__version__}, vllm {vllm.__version__}, activekv {akv_version}, "
-          f"python {platform.python_version()}")
-    print(f"setup: decode (1 query token per row), {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head size "
-          f"{HEAD_SIZE}, {' and '.join(args.dtypes)} (CPU_ATTN ISA {cpu_attn_isas(dtypes)}; ActiveKV CPU kernel "
-          f"{akv_capability}), ActiveKV block {BLOCK_SIZE} (and {VLLM_CPU_BLOCK_SIZE} where named) / tile "
-          f"{TILE_BLOCKS} blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink "
-          f"{COMPRESSED['sink_blocks']} / recent {COMPRESSED['recent_blocks']} / default pool batch x "
-          f"{worst_case_union_blocks()} blocks (block {VLLM_CPU_BLOCK_SIZE}: "
-          f"{worst_case_union_blocks(VLLM_CPU_BLOCK_SIZE)}), {torch.get_num_threads()} threads; median ms per step of "
-          f"one layer after up to {args.warmup} warm-up steps, {min(reps)}-{max(reps)} reps per cell in {args.rounds} "
-          f"rounds (each column taking turns with {CPU_ATTN_128}); seed {args.seed}; run took {elapsed:.0f} s")
-    print()
-    print("\n".join(table))
-    if len(vs_cpu_attn) > 2:
-        print()
-        print(f"ActiveKV exact against vLLM's CPU default (column's ms / {CPU_ATTN_128} ms; at most 1.00x: as fast "
-              f"or faster), and {CPU_ATTN_128} / compressed at block 16 and {VLLM_CPU_BLOCK_SIZE} (above 1: compressed "
-              f"is faster):")
-        print()
-        print("\n".join(vs_cpu_attn))
-    if len(ratios) > 2:
-        print()
-        print("Speed ratios (column's ms / compressed ms; above 1: compressed is faster):")
-        print()
-        print("\n".join(ratios))
+    rows = run(dtypes, args.contexts, args.batches, args.warmup, args.budget_s, args.rounds, args.threads, args.seed)
+    result = {
+        "tool": "tools.bench",
+        "command": shlex.join(["python", "-m", "tools.bench", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "machine": machine,
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "activekv": akv_version,
+                     "python": platform.python_version()},
+        "setup": {"dtypes": args.dtypes, "threads": args.threads, "warmup": args.warmup, "budget_s": args.budget_s,
+                  "rounds": args.rounds, "seed": args.seed, "cpu_attn_isa": cpu_attn_isas(dtypes),
+                  "activekv_kernel": akv_capability},
+        "columns": list(COLUMNS), "elapsed_s": time.perf_counter() - started, "rows": rows}
+    print(markdown(result), end="")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
