@@ -289,7 +289,7 @@ def machine_info() -> dict[str, Any]:
         pass
     load = [round(x, 2) for x in os.getloadavg()]
     line = (f"{model}, nproc {os.cpu_count()}, load average {', '.join(f'{x:.2f}' for x in load)} at start (other "
-            "work skews 2-thread timings)")
+            "work on the machine skews the timings)")
     return {"cpu": model, "nproc": os.cpu_count(), "load_average": load, "line": line}
 
 
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads (torch and the Timer)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before a column's first round")
     parser.add_argument("--budget-s", type=float, default=1.0,
-                        help="seconds of timed steps per cell, split over the rounds (blocked_autorange's min_run_time)")
+                        help="seconds of timed steps per cell, split over the rounds (the Timer's min_run_time)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3,
                         help=f"rounds per (dtype, context, batch), each column taking turns with {CPU_ATTN_128}")

@@ -1,7 +1,8 @@
 """End-to-end decode throughput: vLLM generating on the local model with ActiveKV exact mode against stock CPU_ATTN.
 
 `python -m tools.bench_e2e [--context 8192] [--batch 8] [--new-tokens 32] [--repeats 3] [--rounds 2]
-[--enforce-eager]` (what `make bench-e2e` runs). The model is the tests' tiny random Llama
+[--enforce-eager] [--json PATH]` (what `make bench-e2e` runs; `--json` also writes the rows and the run's provenance,
+the data `python -m tools.docs` renders into docs/benchmarks.md). The model is the tests' tiny random Llama
 (`tools/make_tiny_model.py`: 2 layers, 4 query heads, 2 KV heads, head size 32, float32) copied to
 `build/tiny-llama-e2e` with `max_position_embeddings` raised to cover the context (the default RoPE has no scaling:
 the weights do not depend on it). Per backend and round, one in-process vLLM engine (`tools/vllm_run.py`, greedy, in
@@ -11,9 +12,9 @@ together to vLLM's engine (`LLMEngine.add_request`), then `LLMEngine.step()` unt
 prefill (timed alone), the next `--new-tokens` steps decode the batch, timed step by step; `--repeats` times. The
 backends take turns for `--rounds` rounds (CPU_ATTN, then the three ActiveKV runs, then again), each round a fresh
 engine, so that a slow spell of the machine falls on all of them rather than on one. Decode tokens/s = batch / median
-decode step time over every round; the table also gives each round's median. (A difference of whole-generation times,
-as this tool once took, mixes the prefill's run-to-run noise into the few decode steps.) ActiveKV runs at vLLM block
-size 16 in exact mode twice: with its default options (pool 256 blocks, tile 16: a batch of long contexts streams
+decode step time over every round; the table also gives each round's median. (The decode steps are timed one by one:
+a difference of whole-generation times would mix the prefill's run-to-run noise into the few decode steps.) ActiveKV
+runs at vLLM block size 16 in exact mode twice: with its default options (pool 256 blocks, tile 16: a batch of long contexts streams
 through the pool every step) and with a pool that holds the batch's contexts, then once more at the platform's default
 block size (128, what a vLLM user gets without `block_size`) with a pool that holds the contexts; CPU_ATTN at that
 default block size (128). The table says how many forward steps vLLM counted and, for ActiveKV, how many native
@@ -24,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shlex
 import shutil
 import statistics
 import sys
@@ -119,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="run every backend eagerly (default: vLLM's compiled mode, what users get)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the rows and provenance as JSON")
     args = parser.parse_args(argv)
     for name in ("context", "batch", "new_tokens", "repeats", "rounds"):
         if getattr(args, name) < 1:
@@ -127,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     from tools.vllm_run import ACTIVEKV, CPU_ATTN
 
     model = e2e_model(args.context, args.new_tokens)
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    from tools.bench import git_commit, machine_info
+
+    machine = machine_info()  # the load average at start, before the engines load the machine
+
     def whole_batch(block_size: int) -> int:  # blocks of block_size the batch's contexts fill
         return args.batch * -(-(args.context + args.new_tokens + 16) // block_size)
 
@@ -143,22 +150,51 @@ def main(argv: list[str] | None = None) -> int:
         for i, (_, backend, options, block_size) in enumerate(runs):
             results[i].append(measure(model, backend, args, options, block_size))
     rows = [summarise(label, results[i], args.batch) for i, (label, _, _, _) in enumerate(runs)]
-    base = rows[0]["tokens_per_s"]
-    print(f"command: `python -m tools.bench_e2e {' '.join(argv if argv is not None else sys.argv[1:])}`")
-    print(f"model: {model} (2 layers, 4 query heads, 2 KV heads, head size 32, float32); context {args.context}, "
-          f"batch {args.batch}, {args.new_tokens} decode tokens per request, {args.repeats} repeats x {args.rounds} "
-          f"rounds (backends interleaved); vLLM {'eager' if args.enforce_eager else 'compiled (default)'} mode; "
-          f"load average "
-          f"{load} at start")
-    print()
-    print("| backend | prefill step s | decode step ms (median) | per round | decode tokens/s | / CPU_ATTN | "
-          "vLLM steps (last run) | native forward calls (last run) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        per_round = " / ".join(f"{ms:.2f}" for ms in r["per_round"])
-        print(f"| {r['backend']} | {r['prefill_s']:.2f} | {r['step_ms']:.2f} | {per_round} | {r['tokens_per_s']:.1f} | "
-              f"{r['tokens_per_s'] / base:.2f}x | {r['steps']} | {r['native_forwards']} |")
+    import torch
+    import vllm
+
+    result = {
+        "tool": "tools.bench_e2e",
+        "command": shlex.join(["python", "-m", "tools.bench_e2e", *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "machine": machine,
+        "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "python": platform.python_version()},
+        "setup": {"model": "tiny Llama: 2 layers, 4 query heads, 2 KV heads, head size 32, float32",
+                  "context": args.context, "batch": args.batch, "new_tokens": args.new_tokens,
+                  "repeats": args.repeats, "rounds": args.rounds,
+                  "mode": "eager" if args.enforce_eager else "compiled (default)"},
+        "rows": rows}
+    print(markdown(result), end="")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def setup_line(result: dict) -> str:
+    setup = result["setup"]
+    return (f"{setup['model']}; context {setup['context']}, batch {setup['batch']}, {setup['new_tokens']} decode "
+            f"tokens per request, {setup['repeats']} repeats x {setup['rounds']} rounds (backends interleaved); vLLM "
+            f"{setup['mode']} mode")
+
+
+def table(result: dict) -> list[str]:
+    """One line per backend: prefill, median decode step (overall and per round), tokens/s, ratio to CPU_ATTN."""
+    base = result["rows"][0]["tokens_per_s"]
+    lines = ["| backend | prefill step s | decode step ms (median) | per round | decode tokens/s | / CPU_ATTN | "
+             "vLLM steps (last run) | native forward calls (last run) |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        per_round = " / ".join(f"{ms:.2f}" for ms in r["per_round"])
+        lines.append(f"| {r['backend']} | {r['prefill_s']:.2f} | {r['step_ms']:.2f} | {per_round} | "
+                     f"{r['tokens_per_s']:.1f} | {r['tokens_per_s'] / base:.2f}x | {r['steps']} | "
+                     f"{r['native_forwards']} |")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    """The run as the tool prints it: command, set-up and machine lines, then the table."""
+    return "\n".join([f"command: `{result['command']}`",
+                      f"setup: {setup_line(result)}", f"machine: {result['machine']['line']}", "",
+                      *table(result)]) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""GPU benchmark (issue 6): transfers and decode attention on a CUDA device, each ceiling re-measured in the same run.
+"""GPU benchmark: transfers and decode attention on a CUDA device, each ceiling re-measured in the same run.
 
     python -m tools.bench_gpu [--out DIR] [--quick]
 
-Prints markdown tables (docs/benchmarks.md, "GPU") and writes `gpu_bench.json` and `gpu_decode.png` (time per decode
-step against context length) under --out. Geometry: Llama-3-8B-like, 32 query heads, 8 KV heads, head size 128,
-bfloat16, block 16 tokens (64 KiB per block, all KV heads), one layer. Every time is wall-clock around a synchronized
+Prints markdown tables and writes `gpu_bench.json` (every figure, with the command, date, device and versions) and
+`gpu_decode.png` (time per decode step against context length) under --out. Committed as docs/data/bench_gpu.json,
+it is what `python -m tools.docs` renders into docs/benchmarks.md ("GPU, engine level"), with the same tables and plot.
+Geometry: Llama-3-8B-like, 32 query heads, 8 KV heads, head size 128, bfloat16, block 16 tokens (64 KiB per block, all
+KV heads), one layer. Every time is wall-clock around a synchronized
 call, median of several repetitions after warm-up (the engine's per-step work is host-driven, so device events alone
 would hide its launch gaps).
 
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -169,31 +173,96 @@ def compressed_decode(batch: int, ctx: int, budget: int, tile_blocks: int, kerne
             "admitted_per_step": snap["blocks_admitted"] / steps}
 
 
-def plot(results: dict, path: Path) -> None:
+def ceilings_table(res: dict) -> list[str]:
+    c = res["ceilings"]
+    return ["| pinned H2D GB/s | pinned D2H GB/s | D2D GB/s (read+write) |", "|---|---|---|",
+            f"| {c['h2d_GBps']:.1f} | {c['d2h_GBps']:.1f} | {c['d2d_GBps']:.0f} |"]
+
+
+def blocks_table(res: dict) -> list[str]:
+    lines = ["| block | blocks | copy_blocks_mapped GB/s | copy_blocks_staged GB/s | one plain copy GB/s | "
+             "mapped / plain | one `copy_` per block GB/s |", "|---|---|---|---|---|---|---|"]
+    for r in res["blocks"]:
+        pb = "-" if r["per_block_copy_GBps"] is None else f"{r['per_block_copy_GBps']:.2f}"
+        size = f"{r['block_KiB']} KiB" if r["block_KiB"] < 1024 else f"{r['block_KiB'] // 1024} MiB"
+        lines.append(f"| {size} | {r['blocks']} | {r['mapped_GBps']:.1f} | {r['staged_GBps']:.1f} | "
+                     f"{r['plain_GBps']:.1f} | {r['mapped_GBps'] / r['plain_GBps']:.2f} | {pb} |")
+    return lines
+
+
+def streamed_table(res: dict) -> list[str]:
+    lines = ["| batch | transfer | kernel | ms/step | H2D GB/s achieved | / pinned H2D ceiling |",
+             "|---|---|---|---|---|---|"]
+    for r in res["streamed"]:
+        rate = r["h2d_bytes_per_step"] / (r["ms"] / 1e3) / 1e9
+        lines.append(f"| {r['batch']} | {r['transfer']} | {r['kernel']} | {r['ms']:.2f} | {rate:.1f} | "
+                     f"{rate / res['ceilings']['h2d_GBps']:.2f} |")
+    return lines
+
+
+def resident_table(res: dict) -> list[str]:
+    lines = ["| batch | context | CUDA kernel ms | its KV GB/s | ATen path ms | SDPA ms | SDPA KV GB/s | "
+             "kernel / SDPA rate |", "|---|---|---|---|---|---|---|---|"]
+    for a, t, s in zip(res["resident"], res["resident_aten"], res["sdpa"], strict=True):
+        lines.append(f"| {a['batch']} | {a['context'] // 1024}k | {a['ms']:.3f} | {a['kv_GBps']:.0f} | {t['ms']:.2f} | "
+                     f"{s['ms']:.3f} | {s['kv_GBps']:.0f} | {a['kv_GBps'] / s['kv_GBps']:.3f} |")
+    return lines
+
+
+def compressed_table(res: dict) -> list[str]:
+    lines = ["| batch | context | compressed ms | union blocks/row | admitted blocks/step | SDPA ms | "
+             "SDPA / compressed |",
+             "|---|---|---|---|---|---|---|"]
+    sd = {(s["batch"], s["context"]): s["ms"] for s in res["sdpa"]}
+    for r in res["compressed"]:
+        s = sd[(r["batch"], r["context"])]
+        lines.append(f"| {r['batch']} | {r['context'] // 1024}k | {r['ms']:.2f} | {r['union_blocks_per_row']:.0f} | "
+                     f"{r['admitted_per_step']:.0f} | {s:.3f} | {s / r['ms']:.3f} |")
+    return lines
+
+
+PLOT_SERIES = (("resident", "ActiveKV exact, resident, CUDA kernel"),
+               ("resident_aten", "ActiveKV exact, resident, ATen path"),
+               ("streamed", "ActiveKV exact, streamed from a pinned host tier"),
+               ("compressed", "ActiveKV compressed 2048, pinned host tier"),
+               ("sdpa", "SDPA flash, resident"))
+
+
+def plot(res: dict, path: Path) -> None:
+    """ms per decode step against context, one panel per batch, log scales with the measured contexts as ticks and the
+    legend below the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, NullLocator
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (("resident", "ActiveKV exact, resident, CUDA kernel"),
-                       ("resident_aten", "ActiveKV exact, resident, ATen path"),
-                       ("streamed", "ActiveKV exact, streamed (pool 1/8)"),
-                       ("compressed", "ActiveKV compressed 2048, pinned host tier"), ("sdpa", "SDPA flash, resident")):
-        for batch, style in ((1, "-o"), (16, "--s")):
-            pts = sorted((r["context"], r["ms"]) for r in results[key]
-                         if r["batch"] == batch and r.get("transfer", "mapped") == "mapped"
-                         and r.get("kernel", "native") == "native")
-            if pts:
-                ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], style, label=f"{label}, batch {batch}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (k tokens)")
-    ax.set_ylabel("ms per decode step, one layer")
-    ax.set_title("H200, 32 q / 8 KV heads, d128, bf16")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    batches = sorted({r["batch"] for r in res["resident"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(9, 4.2), sharey=True)
+    markers = "osD^v"
+    for ax, batch in zip(axes, batches, strict=True):
+        contexts: set[int] = set()
+        for (key, label), marker in zip(PLOT_SERIES, markers, strict=False):
+            pts = sorted((r["context"], r["ms"]) for r in res[key] if r["batch"] == batch
+                         and (key != "streamed" or (r["transfer"], r["kernel"]) == ("mapped", "native")))
+            contexts.update(p[0] for p in pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xticks(sorted(contexts), [f"{c // 1024}k" for c in sorted(contexts)])
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("ms per decode step, one layer (log)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False)
+    fig.suptitle(f"{res['device']}: 32 query / 8 KV heads, head size 128, bfloat16, block 16")
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
 
 
 def main() -> None:
@@ -203,35 +272,22 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "date": time.strftime("%Y-%m-%d")}
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                 "command": shlex.join(["python", "-m", "tools.bench_gpu", *sys.argv[1:]])}
     res["ceilings"] = ceil = ceilings()
     print(f"## ceilings ({res['device']}, torch {res['torch']})\n")
-    print("| pinned H2D GB/s | pinned D2H GB/s | D2D GB/s (read+write) |\n|---|---|---|")
-    print(f"| {ceil['h2d_GBps']:.1f} | {ceil['d2h_GBps']:.1f} | {ceil['d2d_GBps']:.0f} |\n", flush=True)
+    print("\n".join(ceilings_table(res)) + "\n", flush=True)
 
     res["blocks"] = block_batches(args.quick)
     print("## block batches, 256 MiB, host tier pinned -> device\n")
-    print("| block | blocks | copy_blocks_mapped GB/s | copy_blocks_staged GB/s | one plain copy GB/s | mapped / plain | "
-          "one copy_ per block GB/s |\n|---|---|---|---|---|---|---|")
-    for r in res["blocks"]:
-        pb = "-" if r["per_block_copy_GBps"] is None else f"{r['per_block_copy_GBps']:.2f}"
-        print(f"| {r['block_KiB']} KiB | {r['blocks']} | {r['mapped_GBps']:.1f} | {r['staged_GBps']:.1f} | "
-              f"{r['plain_GBps']:.1f} | {r['mapped_GBps'] / r['plain_GBps']:.2f} | {pb} |")
-    print(flush=True)
+    print("\n".join(blocks_table(res)) + "\n", flush=True)
 
     ctxs = [32768, 131072] if args.quick else [32768, 65536, 131072]
     batches = (1, 16)
     res["streamed"] = [exact_decode(b, 131072, True, 16384, 256, tr, kn) for b in batches
                        for tr, kn in (("mapped", "native"), ("mapped", "aten"), ("staged", "native"))]
     print("## streamed exact decode: 128k context in a pinned host tier, pool 16k tokens, tile 256 blocks\n")
-    print("| batch | transfer | kernel | ms/step | H2D GB/s achieved | / pinned H2D ceiling |\n|---|---|---|---|---|---|")
-    for r in res["streamed"]:
-        rate = r["h2d_bytes_per_step"] / (r["ms"] / 1e3) / 1e9
-        r["h2d_GBps"] = rate
-        print(f"| {r['batch']} | {r['transfer']} | {r['kernel']} | {r['ms']:.2f} | {rate:.1f} | "
-              f"{rate / ceil['h2d_GBps']:.2f} |")
-    print(flush=True)
+    print("\n".join(streamed_table(res)) + "\n", flush=True)
 
     res["resident"], res["resident_aten"], res["sdpa"] = [], [], []
     for b in batches:
@@ -244,22 +300,11 @@ def main() -> None:
                                 "kv_GBps": b * c * KVH * 2 * D * 2 / t / 1e9})
     print("## resident exact decode vs SDPA flash (KV read rate = K and V bytes / step time; tile = the whole row "
           "for the CUDA kernel, 512 blocks for the ATen path)\n")
-    print("| batch | context | CUDA kernel ms | its KV GB/s | ATen path ms | SDPA ms | SDPA KV GB/s | kernel / SDPA rate |"
-          "\n|---|---|---|---|---|---|---|---|")
-    for a, t, s in zip(res["resident"], res["resident_aten"], res["sdpa"]):
-        print(f"| {a['batch']} | {a['context'] // 1024}k | {a['ms']:.3f} | {a['kv_GBps']:.0f} | {t['ms']:.2f} | "
-              f"{s['ms']:.3f} | {s['kv_GBps']:.0f} | {a['kv_GBps'] / s['kv_GBps']:.3f} |")
-    print(flush=True)
+    print("\n".join(resident_table(res)) + "\n", flush=True)
 
     res["compressed"] = [compressed_decode(b, c, 2048, 64) for b in batches for c in ctxs]
     print("## compressed decode (budget 2048), pinned host tier, vs SDPA flash with the full context resident\n")
-    print("| batch | context | compressed ms | union blocks/row | admitted blocks/step | SDPA ms | SDPA / compressed |"
-          "\n|---|---|---|---|---|---|---|")
-    sd = {(s["batch"], s["context"]): s["ms"] for s in res["sdpa"]}
-    for r in res["compressed"]:
-        s = sd[(r["batch"], r["context"])]
-        print(f"| {r['batch']} | {r['context'] // 1024}k | {r['ms']:.2f} | {r['union_blocks_per_row']:.0f} | "
-              f"{r['admitted_per_step']:.0f} | {s:.3f} | {s / r['ms']:.3f} |")
+    print("\n".join(compressed_table(res)))
     (args.out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
     plot(res, args.out / "gpu_decode.png")
     print(f"\nwrote {args.out / 'gpu_bench.json'} and {args.out / 'gpu_decode.png'}")
