@@ -41,7 +41,7 @@ def test_every_embedded_image_exists_and_every_plot_is_embedded() -> None:
     pages = {p: p.read_text() for p in (docs.BENCHMARKS, docs.README, REPO_ROOT / "docs" / "design.md")}
     embedded = {name for text in pages.values()
                 for name in re.findall(r"!\[[^\]]+\]\((?:docs/)?img/([\w.-]+\.png)\)", text)}
-    assert embedded == {"cpu_decode.png", "gpu_decode.png", "decode_step.png"}
+    assert embedded == {"cpu_decode.png", "e2e_decode.png", "gpu_decode.png", "decode_step.png"}
     for name in embedded:
         data = (docs.IMG / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, name

@@ -9,8 +9,8 @@ Data (each file holds the command that measured it, the machine, the versions, t
 - docs/data/bench_gpu.json: the `gpu_bench.json` that `make gpu-check GPU_OUT=DIR` writes on a CUDA machine.
 
 Every table comes from its tool's own table functions (tools/bench.py, bench_e2e.py, bench_gpu.py), so a page shows
-what the tool printed. Plots (matplotlib, docs/img/): CPU decode step time against context, GPU decode step time
-against context, and the way of one decode step through patch, bindings and engine. The markdown does not need
+what the tool printed. Plots (matplotlib, docs/img/): CPU decode step time against context, vLLM's decode tokens/s
+per backend, GPU decode step time against context, and the way of one decode step through patch, bindings and engine. The markdown does not need
 matplotlib; `--check` compares the markdown and requires every embedded image to exist (tests/test_docs.py runs it).
 A new benchmark adds its data file and a section here.
 """
@@ -249,10 +249,41 @@ def e2e_section(e2e: dict[str, Any]) -> list[str]:
         "two cores, so these timings are noisy: the per-round medians show the spread, and a ratio says no more than "
         "that spread allows.", "",
         *bench_e2e.table(e2e), "",
+        "![vLLM decode tokens/s per backend](img/e2e_decode.png)", "",
         "The native forward calls are ActiveKV's own telemetry: proof that the engine served every layer of every "
         "step. The default pool (256 blocks) is smaller than the batch's contexts, so exact mode streams them through "
         "it every step; the other ActiveKV rows size the pool to hold them (`pool_blocks`).",
     ]
+
+
+def e2e_plot(e2e: dict[str, Any], path: Path) -> None:
+    """Decode tokens/s per backend: a bar each, with each round's rate as a dot, so the spread shows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = e2e["rows"]
+    batch = e2e["setup"]["batch"]
+    fig, ax = plt.subplots(figsize=(9, 0.75 * len(rows) + 1.6))
+    labels = [r["backend"].replace("ACTIVEKV", "ActiveKV").replace(" (the batch's contexts)", ", holds the batch")
+              for r in rows]
+    ys = list(range(len(rows)))[::-1]
+    ax.barh(ys, [r["tokens_per_s"] for r in rows], color=["#8c564b"] + ["#1f77b4"] * (len(rows) - 1), alpha=0.8,
+            label="median over every round's decode steps")
+    for y, r in zip(ys, rows, strict=True):
+        ax.plot([batch / (ms / 1e3) for ms in r["per_round"]], [y] * len(r["per_round"]), "ko", ms=4)
+    ax.plot([], [], "ko", ms=4, label="each round's median")
+    ax.set_yticks(ys, labels, fontsize=8.5)
+    ax.set_xlabel("decode tokens/s (batch / step time)")
+    fig.suptitle(f"vLLM end to end, CPU: tiny Llama, {e2e['setup']['context'] // 1024}k context, batch {batch}\n"
+                 f"(load average {e2e['machine']['load_average'][0]:.0f} on {e2e['machine']['nproc']} cores: noisy)",
+                 fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.legend(loc="lower center", ncol=2, frameon=False, fontsize=8.5)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
 
 
 # --- GPU --------------------------------------------------------------------------------------------------------
@@ -417,11 +448,11 @@ def diagram(path: Path) -> None:
 
 
 def images() -> dict[str, Callable[[Path], None]]:
-    cpu, gpu = load("bench_cpu.json"), load("bench_gpu.json")
+    cpu, e2e, gpu = load("bench_cpu.json"), load("bench_e2e.json"), load("bench_gpu.json")
     from tools import bench_gpu
 
-    return {"cpu_decode.png": lambda p: cpu_plot(cpu, p), "gpu_decode.png": lambda p: bench_gpu.plot(gpu, p),
-            "decode_step.png": diagram}
+    return {"cpu_decode.png": lambda p: cpu_plot(cpu, p), "e2e_decode.png": lambda p: e2e_plot(e2e, p),
+            "gpu_decode.png": lambda p: bench_gpu.plot(gpu, p), "decode_step.png": diagram}
 
 
 def pages() -> dict[Path, str]:
