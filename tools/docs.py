@@ -10,9 +10,9 @@ Data (each file holds the command that measured it, the machine, the versions, t
 
 Every table comes from its tool's own table functions (tools/bench.py, bench_e2e.py, bench_gpu.py), so a page shows
 what the tool printed. Plots (matplotlib, docs/img/): CPU decode step time against context, vLLM's decode tokens/s
-per backend, GPU decode step time against context, and the way of one decode step through patch, bindings and engine. The markdown does not need
-matplotlib; `--check` compares the markdown and requires every embedded image to exist (tests/test_docs.py runs it).
-A new benchmark adds its data file and a section here.
+per backend, GPU decode step time against context, and the way of one decode step through patch, bindings and
+engine. The markdown does not need matplotlib; `--check` compares the markdown and requires every embedded image to
+exist (tests/test_docs.py runs it). A new benchmark adds its data file and a section here.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ def cpu_section(cpu: dict[str, Any]) -> list[str]:
         "## CPU decode attention, one layer", "",
         "One decode step of one attention layer through the calls vLLM makes: each of a batch of "
         f"{' or '.join(map(str, batches))} rows brings one query token to a context of "
-        f"{', '.join(_k(c) for c in contexts)} tokens; 32 query heads, 8 KV heads, head size 128, synthetic seeded data. Cells are median "
+        f"{', '.join(_k(c) for c in contexts)} tokens; 32 query heads, 8 KV heads, head size 128, synthetic seeded "
+        "data. Cells are median "
         "ms per step (`torch.utils.benchmark`, `blocked_autorange`) at " + _threads(cpu) + ". Every column takes "
         "turns with CPU_ATTN block 128 "
         f"(vLLM's CPU default) in {cpu['setup']['rounds']} rounds, and the ratios below divide by CPU_ATTN's time in "
@@ -156,7 +157,8 @@ def cpu_section(cpu: dict[str, Any]) -> list[str]:
         "mirrors bit for bit (`docs/parity.md`).",
         "- **ActiveKV compressed 2048**: `mode: compressed`, budget 2048 tokens per KV head (1 sink, 2 recent and the "
         "top 125 blocks by Quest's bound), the default pool (one row's worst-case union, "
-        f"{bench.worst_case_union_blocks()} blocks, per scheduler row). **pool=one union**: a batch with a pool of one row's union, so rows evict each other's "
+        f"{bench.worst_case_union_blocks()} blocks, per scheduler row). **pool=one union**: a batch with a pool of "
+        "one row's union, so rows evict each other's "
         "blocks. "
         f"**block 128**: the top 13 blocks of 128 tokens, pool {bench.worst_case_union_blocks(128)} blocks per row.",
         "- **CPU_ATTN block 16 / 128**: vLLM's ops as `cpu_attn.py` calls them (scheduler metadata, "
@@ -363,7 +365,8 @@ def readme_results() -> str:
                   if r["batch"] == 1 and (r["transfer"], r["kernel"]) == ("mapped", "native"))
     link = "docs/benchmarks.md#"
     threads = cpu["setup"]["threads"]
-    load_note = (f"{threads} thread{'s' if threads > 1 else ''}, load average {cpu['machine']['load_average'][0]:.0f} on "
+    load_note = (f"{threads} thread{'s' if threads > 1 else ''}, load average "
+                 f"{cpu['machine']['load_average'][0]:.0f} on "
                  f"{cpu['machine']['nproc']} cores")
     rows = [
         (f"Exact attention, decode step, CPU, {h['long']} tokens, vs vLLM's CPU_ATTN (block 128)",
