@@ -470,3 +470,17 @@ def test_audit_reports_a_wheel_file_name_it_cannot_parse(tmp_path: Path) -> None
         "record: not verified: the wheel's file name evil.whl is not NAME-VERSION(-BUILD)-PY-ABI-PLATFORM.whl",
         *CLEAN_SMALL,
     ])  # fmt: skip
+
+
+def test_an_isolated_build_stops_at_once_saying_how_to_build(tmp_path: Path) -> None:
+    """`pip wheel .` with build isolation (no torch in the build environment) stops in CMake's configure step with
+    one line saying to build with --no-build-isolation next to torch 2.13, before compiling anything."""
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "out"),
+                           "-Cbuild-dir=" + str(tmp_path / "build"), str(REPO)],
+                          capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    line = ("ActiveKV: no torch in this build environment (an isolated build?): build with "
+            "`pip install --no-build-isolation .` next to torch 2.13 and scikit-build-core")
+    assert any(ln.strip() == line for ln in out.splitlines()), out[-3000:]
+    assert "Traceback" not in out and not list((tmp_path / "build").rglob("*.o")), out[-3000:]
