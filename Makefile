@@ -18,7 +18,7 @@ timed = t0=$$SECONDS; echo "[$@] $(1) ..."; set -o pipefail; $(2); rc=$$?; \
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel audit intake test sanitize demo bench bench-e2e profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
+.PHONY: help venv build wheel wheel-compat audit intake test sanitize demo bench bench-e2e profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
 	@echo "ActiveKV $(VERSION), for vLLM $(VLLM_VERSION) and torch $(TORCH_VERSION)"
@@ -42,6 +42,19 @@ wheel: venv ## build dist/activekv-*.whl: scikit-build-core against .venv's torc
 	rm -rf build/wheel-raw dist/activekv-*.whl
 	@$(call timed,build the wheel,$(PIP) wheel -v --no-build-isolation --no-deps -w build/wheel-raw . $(PIPQ))
 	@$(call timed,repair it (auditwheel),$(PY) -m release.repair build/wheel-raw/activekv-*.whl -w dist)
+	$(PY) -m release.audit dist/activekv-*.whl
+
+# The same wheel built against a Debian bullseye sysroot (glibc 2.31, GCC 10; release/sysroot.sh makes it once with
+# debootstrap, as root): auditwheel tags it manylinux_2_31 instead of the build machine's glibc (docs/release.md).
+SYSROOT ?= build/sysroot-bullseye
+wheel-compat: venv ## as `wheel`, for manylinux_2_31 (a bullseye sysroot); stops today at telemetry.cpp: docs/release.md
+	release/sysroot.sh $(SYSROOT)
+	rm -rf build/wheel-compat dist/activekv-*.whl
+	@$(call timed,build the wheel against $(SYSROOT),S=$(abspath $(SYSROOT)); CC=$$S/usr/bin/gcc-10 CXX=$$S/usr/bin/g++-10 \
+		CFLAGS=--sysroot=$$S CXXFLAGS=--sysroot=$$S LDFLAGS=--sysroot=$$S $(PIP) wheel -v --no-build-isolation --no-deps \
+		-Cbuild-dir=build/compat-{wheel_tag} -Ccmake.define.CMAKE_AR=$$(command -v ar) \
+		-Ccmake.define.CMAKE_RANLIB=$$(command -v ranlib) -w build/wheel-compat . $(PIPQ))
+	@$(call timed,repair it (auditwheel),$(PY) -m release.repair build/wheel-compat/activekv-*.whl -w dist)
 	$(PY) -m release.audit dist/activekv-*.whl
 
 audit: ## audit the wheel in dist/ (RECORD, file kinds, no Python of ours, the patch's contracts)
