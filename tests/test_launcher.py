@@ -13,6 +13,7 @@ import ctypes.util
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -100,9 +101,80 @@ def test_version_matches_the_native_modules() -> None:
     assert (Path(data["patches"]) / "series").read_text() == (DEFAULT_PATCHES / "series").read_text()
 
 
+# ------------------------------------------------------------------------------------------------------------- help
+
+
+def test_version_option_prints_one_line_with_pyprojects_version() -> None:
+    import tomllib
+
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    for flag in ("--version", "-V"):
+        done = akv(flag)
+        assert (done.returncode, done.stderr) == (0, ""), done.stderr
+        assert done.stdout.startswith(f"activekv {version} (torch ") and done.stdout.count("\n") == 1, done.stdout
+        assert "patch series for vLLM " in done.stdout
+    assert akv("--version", "extra").returncode == 2
+
+
+def product_environment_variables() -> set[str]:
+    """Every ACTIVEKV_* variable the product reads: the string literals of engine/ and bindings/ (build-time
+    definitions such as ACTIVEKV_VERSION are macros, never quoted)."""
+    found = set()
+    for path in [*(REPO / "engine").rglob("*.[ch]*"), *(REPO / "bindings").rglob("*.[ch]*")]:
+        found.update(re.findall(r'"(ACTIVEKV_[A-Z0-9_]+)', path.read_text(errors="replace")))
+    return found
+
+
+def builder_option_keys() -> list[str]:
+    """The option keys the backend accepts, from its own "known options" message (bindings/modules/)."""
+    text = "".join(p.read_text() for p in (REPO / "bindings" / "modules").glob("*.cpp"))
+    m = re.search(r'known options: ([a-z_, ]+)"\s*"([a-z_, ]+)"', text)
+    assert m, "the backend's unknown-option message moved"
+    return [k.strip() for k in (m[1] + m[2]).split(",") if k.strip()]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["help"]])
+def test_help_names_the_commands_options_variables_and_exit_codes(args: list[str]) -> None:
+    done = akv(*args)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    out = done.stdout
+    assert out.startswith("usage: activekv [-h | --help] [-V | --version] COMMAND [ARGS]\n"), out
+    for command in ("version", "patch", "serve", "run-batch", "plugins", "help"):
+        assert re.search(rf"^  {command}\b", out, re.MULTILINE), command
+    assert """--additional-config '{"activekv": {""" in out
+    keys = builder_option_keys()
+    assert len(keys) >= 8, keys
+    for key in keys:
+        assert re.search(rf"^  {key} ", out, re.MULTILINE), f"option {key} not in the help"
+    variables = product_environment_variables()
+    assert {"ACTIVEKV_LIBPYTHON", "ACTIVEKV_SKIP_PATCH_CHECK", "ACTIVEKV_TELEMETRY_DIR"} <= variables, variables
+    for var in variables:
+        assert re.search(rf"^  {var}\b\S* +\S", out, re.MULTILINE), f"{var} not in the help"
+    assert "exit status: 0 done; 1 refused or failed" in out and "2 bad usage" in out
+
+
+@pytest.mark.parametrize("command", ["version", "patch", "plugins", "help"])
+@pytest.mark.parametrize("spelled", ["--help", "-h", "help"])
+def test_command_help_is_the_commands_usage_on_stdout(command: str, spelled: str) -> None:
+    done = akv(command, spelled) if spelled != "help" else akv("help", command)
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr
+    assert done.stdout.startswith(f"usage: activekv {command}"), done.stdout
+
+
+def test_serve_help_is_activekvs_part_then_vllms() -> None:
+    done = akv("serve", "--help")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    ours = out.index("usage: activekv serve")
+    assert """--additional-config '{"activekv": {""" in out and "ACTIVEKV_SKIP_PATCH_CHECK" in out
+    theirs = out.index("usage: vllm serve")
+    assert ours < theirs, out[-2000:]
+    assert akv("help", "serve").stdout.startswith("usage: activekv serve")
+
+
 @pytest.mark.parametrize(
     "args, message",
-    [([], "usage: activekv"), (["bogus"], "unknown command 'bogus'"), (["version", "-x"], "unrecognized argument"),
+    [([], "usage: activekv"), (["bogus"], "unknown command 'bogus'"), (["help", "bogus"], "no such command: bogus"), (["version", "-x"], "unrecognized argument"),
      (["patch"], "the command (apply, check, revert or status) is required"), (["patch", "apply", "--vllm"],
                                                                               "--vllm needs DIR")],
 )

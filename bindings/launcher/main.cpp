@@ -147,39 +147,176 @@ int version_main(const std::vector<std::string>& args, const Environment& env) {
   return 0;
 }
 
-const char* const kUsage =
-    "usage: activekv {version,patch,serve,run-batch,plugins} ...\n"
-    "\n"
-    "  version [--json]                          engine version, the torch it was built against, the vLLM version\n"
-    "                                            the patch series targets\n"
-    "  patch apply|check|revert|status [--vllm DIR]\n"
-    "                                            apply the vLLM patch series to the installed vLLM (or DIR)\n"
-    "  serve MODEL [vllm serve options]          `vllm serve` with --attention-backend ACTIVEKV unless chosen, and\n"
-    "                                            VLLM_PLUGINS allowing ActiveKV's endpoint plugin (see `plugins`)\n"
-    "  plugins                                   print the VLLM_PLUGINS `serve` runs vLLM with, and why\n"
-    "  run-batch [vllm run-batch options]        `vllm run-batch` likewise\n";
+const char* const kUsage = "usage: activekv [-h | --help] [-V | --version] COMMAND [ARGS]\n";
+
+// What every command and the help name: ActiveKV's options (vLLM's additional_config["activekv"], read by the backend's
+// Builder: bindings/modules/backend.cpp) and the environment variables ActiveKV reads (engine/, bindings/).
+const char* const kOptionsHelp =
+    "ActiveKV options: vLLM's --additional-config, a JSON object under the key \"activekv\"\n"
+    "(Python: LLM(..., additional_config={\"activekv\": {...}})); unknown keys and bad values stop start-up:\n"
+    "  activekv serve MODEL --additional-config '{\"activekv\": {\"mode\": \"exact\", \"pool_blocks\": 64}}'\n"
+    "  mode             exact (default: every block, streamed through the pool) or compressed (decode rows beyond\n"
+    "                   the budget attend sink + recent + top-k blocks per KV head)\n"
+    "  pool_blocks      active-pool slots per layer (default 256; compressed: one worst-case selection per\n"
+    "                   scheduled sequence, capped at the KV cache's blocks)\n"
+    "  tile_blocks      blocks per attention tile (default 16)\n"
+    "  kernel           native (default: the fast CPU kernel) or aten (the bit-exact ATen tile path)\n"
+    "  budget_tokens    compressed: tokens a decode row attends per KV head (default 2048)\n"
+    "  sink_blocks      compressed: first blocks always attended (default 1)\n"
+    "  recent_blocks    compressed: last blocks always attended (default 2)\n"
+    "  telemetry_json   a file path: the telemetry snapshot is written there as JSON at shutdown\n";
+
+const char* const kEnvironmentHelp =
+    "environment:\n"
+    "  ACTIVEKV_LIBPYTHON=PATH      the libpython serve and run-batch load (default: the environment's\n"
+    "                               interpreter's, found through its pyvenv.cfg or prefix)\n"
+    "  ACTIVEKV_SKIP_PATCH_CHECK=1  start without checking that vLLM carries the patch series (where git cannot\n"
+    "                               run); 0 or unset: check\n"
+    "  ACTIVEKV_PATCH_VERIFIED      set by serve and run-batch for vLLM's processes (what the launcher checked, so\n"
+    "                               they skip git); never set it by hand\n"
+    "  ACTIVEKV_TELEMETRY_DIR=DIR   base folder of the telemetry segments (default /dev/shm)\n"
+    "  ACTIVEKV_CPU_AMX=0           the CPU kernel keeps bfloat16 KV off AMX tiles (default: AMX where present)\n"
+    "  ATEN_CPU_CAPABILITY=CAP      caps the CPU kernel's instruction set (default, avx2, avx512) as it caps ATen's\n"
+    "  VLLM_PLUGINS                 serve and run-batch add activekv to it (see `activekv plugins`)\n";
+
+const char* const kExitHelp =
+    "exit status: 0 done; 1 refused or failed (the message says why); 2 bad usage;\n"
+    "serve and run-batch: vLLM's own exit status (1 when the launcher's check of vLLM refuses to start).\n";
+
+void print_help(FILE* out) {
+  std::fprintf(out,
+               "%s\n"
+               "ActiveKV %s: a native KV-cache engine for vLLM %s (the ACTIVEKV attention backend).\n"
+               "\n"
+               "commands:\n"
+               "  version [--json]       ActiveKV's version, the torch it was built against, the vLLM version the\n"
+               "                         patch series targets\n"
+               "  patch apply|check|revert|status [--vllm DIR] [--patches DIR]\n"
+               "                         apply the vLLM patch series to the installed vLLM (or DIR)\n"
+               "  serve MODEL [ARGS]     `vllm serve` with --attention-backend ACTIVEKV unless one is chosen, and\n"
+               "                         VLLM_PLUGINS allowing ActiveKV's endpoint plugin (see `plugins`)\n"
+               "  run-batch [ARGS]       `vllm run-batch` likewise\n"
+               "  plugins                print the VLLM_PLUGINS serve runs vLLM with, and why\n"
+               "  help [COMMAND]         this help, or COMMAND's\n"
+               "\n"
+               "options:\n"
+               "  -h, --help             this help (`activekv COMMAND --help`: the command's)\n"
+               "  -V, --version          print ActiveKV's version and exit\n"
+               "\n%s\n%s\n%s",
+               kUsage, ACTIVEKV_VERSION, ACTIVEKV_VLLM_PATCH_VERSION, kOptionsHelp, kEnvironmentHelp, kExitHelp);
+}
+
+/// `activekv COMMAND --help` for the commands the launcher runs itself; false for a command it does not know.
+bool print_command_help(const std::string& command) {
+  if (command == "version") {
+    std::fputs("usage: activekv version [--json]\n"
+               "\n"
+               "Print ActiveKV's version, the torch it was built against (and the CPython), the vLLM version the\n"
+               "patch series targets. --json: one JSON object with those and the series folder the launcher found.\n"
+               "Same as `activekv --version` in three lines.\n",
+               stdout);
+  } else if (command == "patch") {
+    std::fputs("usage: activekv patch {apply,check,revert,status} [--vllm DIR] [--patches DIR]\n"
+               "\n"
+               "  apply    apply the patch series to the vLLM of this environment (idempotent)\n"
+               "  check    exit 0 when the series is applied, 1 when not\n"
+               "  revert   take the series out again\n"
+               "  status   applied, not applied or partially applied, patch by patch\n"
+               "  --vllm DIR      the vLLM to act on: a directory holding vllm/__init__.py (an installed package or a\n"
+               "                  git checkout); default: the vllm package of this environment\n"
+               "  --patches DIR   the series to use; default: the one installed with this launcher\n"
+               "\n"
+               "exit status: 0 done, 1 refused or failed (nothing changed; the message says why), 2 bad usage.\n",
+               stdout);
+  } else if (command == "plugins") {
+    std::fputs("usage: activekv plugins\n"
+               "\n"
+               "Print the VLLM_PLUGINS value serve and run-batch run vLLM with (vLLM loads endpoint plugins only when\n"
+               "named there): set, activekv is added; unset, every plugin vLLM would load anyway plus activekv.\n",
+               stdout);
+  } else if (command == "serve" || command == "run-batch") {
+    // ActiveKV's part; vLLM's own help for the command follows (vllm_main with --help).
+    std::printf("usage: activekv %s [ARGS]: `vllm %s` with ActiveKV\n"
+                "\n"
+                "Runs vLLM's CLI in this environment's CPython with --attention-backend ACTIVEKV unless another\n"
+                "backend is chosen, after checking that vLLM carries the patch series (exit 1 when not: run\n"
+                "`activekv patch apply`), and with VLLM_PLUGINS allowing ActiveKV's endpoint plugin.\n"
+                "\n%s\n%s\n%s\nvLLM's help for `vllm %s` follows.\n\n",
+                command.c_str(), command.c_str(), kOptionsHelp, kEnvironmentHelp, kExitHelp, command.c_str());
+  } else if (command == "help") {
+    std::fputs("usage: activekv help [COMMAND]\n\nPrint the help, or COMMAND's (same as `activekv COMMAND --help`).\n",
+               stdout);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+bool is_help(const char* a) { return std::strcmp(a, "-h") == 0 || std::strcmp(a, "--help") == 0; }
 
 }  // namespace
 }  // namespace activekv::launcher
 
 int main(int argc, char** argv) {
   using namespace activekv::launcher;
-  if (argc < 2 || std::strcmp(argv[1], "-h") == 0 || std::strcmp(argv[1], "--help") == 0) {
-    std::fputs(kUsage, argc < 2 ? stderr : stdout);
-    return argc < 2 ? 2 : 0;
+  if (argc < 2) {
+    std::fprintf(stderr, "%sactivekv: error: a command is required (activekv --help lists them)\n", kUsage);
+    return 2;
   }
   const std::string command = argv[1];
+  if (is_help(argv[1])) {
+    print_help(stdout);
+    return 0;
+  }
+  if (command == "-V" || command == "--version") {
+    if (argc > 2) {
+      std::fprintf(stderr, "%sactivekv: error: %s takes no arguments\n", kUsage, argv[1]);
+      return 2;
+    }
+    std::printf("activekv %s (torch %s, CPython %s, patch series for vLLM %s)\n", ACTIVEKV_VERSION,
+                ACTIVEKV_TORCH_VERSION, ACTIVEKV_PYTHON_VERSION, ACTIVEKV_VLLM_PATCH_VERSION);
+    return 0;
+  }
+  if (command == "help") {
+    if (argc == 2) {
+      print_help(stdout);
+      return 0;
+    }
+    if (is_help(argv[2])) return print_command_help("help") ? 0 : 2;
+    if (argc == 3 && std::strcmp(argv[2], "serve") != 0 && std::strcmp(argv[2], "run-batch") != 0 &&
+        print_command_help(argv[2])) {
+      return 0;
+    }
+    if (argc > 3 || (std::strcmp(argv[2], "serve") != 0 && std::strcmp(argv[2], "run-batch") != 0)) {
+      std::fprintf(stderr, "usage: activekv help [COMMAND]\nactivekv: error: no such command: %s\n", argv[2]);
+      return 2;
+    }
+  }
   const Environment env = find_environment();
-  if (command == "serve" || command == "run-batch") {
+  if (command == "serve" || command == "run-batch" || command == "help") {
+    // `activekv help serve` is `activekv serve --help`: ActiveKV's part here, then vLLM's own help.
+    const bool via_help = command == "help";
+    const std::string sub = via_help ? argv[2] : command;
+    std::vector<const char*> args(argv + (via_help ? 3 : 2), argv + argc);
+    if (via_help) args.push_back("--help");
+    bool asks_help = false;
+    for (const char* a : args) asks_help |= is_help(a) || std::strncmp(a, "--help=", 7) == 0;
+    if (asks_help) {
+      print_command_help(sub);
+      std::fflush(stdout);
+    }
     // Raw bytes: embed.cpp hands them to CPython, which decodes them as the interpreter decodes its own argv.
-    return vllm_main(command, std::vector<const char*>(argv + 2, argv + argc), env);
+    return vllm_main(sub, args, env);
   }
   const std::vector<std::string> rest(argv + 2, argv + argc);
+  for (const auto& a : rest) {
+    if ((a == "-h" || a == "--help") && print_command_help(command)) return 0;
+  }
   if (command == "version") return version_main(rest, env);
   if (command == "patch") return patch_main(rest, env);
   if (command == "plugins") {
     if (!rest.empty()) {
-      std::fprintf(stderr, "activekv: error: `plugins` takes no arguments\n");
+      std::fprintf(stderr, "usage: activekv plugins\nactivekv: error: `plugins` takes no arguments\n");
       return 2;
     }
     const char* current = std::getenv("VLLM_PLUGINS");
@@ -190,6 +327,7 @@ int main(int argc, char** argv) {
     if (!d.warning.empty()) std::fputs(d.warning.c_str(), stderr);
     return 0;
   }
-  std::fprintf(stderr, "%sactivekv: error: unknown command '%s'\n", kUsage, command.c_str());
+  std::fprintf(stderr, "%sactivekv: error: unknown command '%s' (activekv --help lists the commands)\n", kUsage,
+               command.c_str());
   return 2;
 }
