@@ -10,6 +10,9 @@ Facts of one translation unit::
     main, flags_source, errors: [{path, line, col, message, missing}]   (severity >= error)
     files: {rel: {includes: [{line, col, spelled, forbidden}], imports: [{line, col, call, macro}],
                   bindings: [{line, col, name, method, callables, params, field_writes}]}}
+        (a binding: a pybind11 ``.def*`` call, method its name; or an entry of a CPython binding table, method the
+        table's type: ``PyMethodDef`` (callables: the C function), ``PyGetSetDef`` (its setter), ``PyMemberDef``
+        (field_writes: the member's field, unless flagged READONLY))
     functions: {id: {name, path, line, calls: [id], sinks: [{path, line, col, call}], reads: [usr], writes: [usr]}}
     overrides: [[base usr, overrider usr]]      state: {usr: {name, path, line}}     functional: bool
     names: {usr: qualified name} of the project functions called (declared-only ones included)
@@ -71,6 +74,9 @@ BIND_METHODS = frozenset(
         "def_readonly_static",
     }
 )
+# CPython's binding tables: each entry is a binding, as a pybind11 ``.def`` call is (its first field the Python name).
+C_API_TABLES = frozenset({"PyMethodDef", "PyGetSetDef", "PyMemberDef"})
+_PY_READONLY = 1  # PyMemberDef.flags: READONLY / Py_READONLY (structmember.h, descrobject.h)
 _MUTATORS = frozenset(
     {
         "operator=",
@@ -125,6 +131,14 @@ def _lib() -> Any:
         lib.clang_getCursorBinaryOperatorKind.restype = ctypes.c_int
         lib.clang_getSpecializedCursorTemplate.argtypes = [ci.Cursor]
         lib.clang_getSpecializedCursorTemplate.restype = ci.Cursor
+        lib.clang_Cursor_Evaluate.argtypes = [ci.Cursor]
+        lib.clang_Cursor_Evaluate.restype = ctypes.c_void_p
+        lib.clang_EvalResult_getKind.argtypes = [ctypes.c_void_p]
+        lib.clang_EvalResult_getKind.restype = ctypes.c_int
+        lib.clang_EvalResult_getAsLongLong.argtypes = [ctypes.c_void_p]
+        lib.clang_EvalResult_getAsLongLong.restype = ctypes.c_longlong
+        lib.clang_EvalResult_dispose.argtypes = [ctypes.c_void_p]
+        lib.clang_EvalResult_dispose.restype = None
         _lib_ready = True
     return lib
 
@@ -141,6 +155,18 @@ def _is_assignment(c: ci.Cursor) -> bool:
         lib.clang_getBinaryOperatorKindSpelling.errcheck = ci._CXString.from_result
         _ASSIGN_KIND = next(k for k in range(1, 40) if lib.clang_getBinaryOperatorKindSpelling(k) == "=")
     return lib.clang_getCursorBinaryOperatorKind(c) == _ASSIGN_KIND
+
+
+def int_value(c: ci.Cursor) -> int | None:
+    """The value of an integer constant expression (a macro such as READONLY included), else None."""
+    lib = _lib()
+    res = lib.clang_Cursor_Evaluate(c)
+    if not res:
+        return None
+    try:
+        return lib.clang_EvalResult_getAsLongLong(res) if lib.clang_EvalResult_getKind(res) == 1 else None  # CXEval_Int
+    finally:
+        lib.clang_EvalResult_dispose(res)
 
 
 def overridden_usrs(c: ci.Cursor) -> list[str]:
@@ -462,6 +488,8 @@ class _Walker:
             r = c.referenced
             if r is not None:
                 self.reference(c, r, rel, node, decl)
+        elif kind == K.INIT_LIST_EXPR and self.c_api_entry(c, rel):
+            pass
         elif kind == K.INIT_LIST_EXPR and node is not None:
             record = c.type.get_canonical().get_declaration()
             if record is not None and record.kind in (K.STRUCT_DECL, K.CLASS_DECL):
@@ -600,8 +628,58 @@ class _Walker:
             }
         )
 
+    def c_api_entry(self, c: ci.Cursor, rel: str) -> bool:
+        """Record ``c`` as a binding when it is an entry of a CPython binding table (C_API_TABLES); True if it is
+        one (the sentinel entry included). The table types are Python's own (declared outside the project)."""
+        record = c.type.get_canonical().get_declaration()
+        if record is None or record.kind != K.STRUCT_DECL or record.spelling not in C_API_TABLES:
+            return False
+        if self.is_project_decl(record):
+            return False
+        fields = list(c.get_children())
+        first = _strip(fields[0]) if fields else None
+        if first is None or first.kind != K.STRING_LITERAL:
+            return True  # the {nullptr} sentinel, or a name that is no literal: no Python name to judge
+        table = record.spelling
+        tokens = [t.spelling for t in first.get_tokens()]
+        callables: list[str] = []
+        params: list[str] = []
+        field_writes: list[str] = []
+        if table == "PyMethodDef" and len(fields) > 1:
+            self.binding_arg(fields[1], None, callables, params, field_writes)
+            field_writes = []
+        elif table == "PyGetSetDef" and len(fields) > 2:  # {name, get, set, doc, closure}: the setter stores
+            self.binding_arg(fields[2], None, callables, params, field_writes)
+            field_writes = []
+        elif table == "PyMemberDef" and len(fields) > 2:  # {name, type, offset, flags, doc}
+            flags = int_value(fields[3]) if len(fields) > 3 else 0
+            if flags is not None and not flags & _PY_READONLY:
+                for sub in fields[2].walk_preorder():
+                    r = sub.referenced if sub.kind == K.MEMBER_REF else None
+                    if r is not None and r.kind == K.FIELD_DECL and self.is_state(r):
+                        field_writes.append(r.get_usr())
+        loc = first.location
+        site_rel = self.rel(loc.file.name if loc.file else None) or rel
+        self.file_facts(site_rel)["bindings"].append(
+            {
+                "line": loc.line,
+                "col": loc.column,
+                "name": _string_value(tokens[0] if tokens else first.spelling),
+                "method": table,
+                "callables": sorted(set(callables)),
+                "params": params,
+                "field_writes": field_writes,
+            }
+        )
+        return True
+
     def binding_arg(
-        self, arg: ci.Cursor, method: ci.Cursor, callables: list[str], params: list[str], field_writes: list[str]
+        self,
+        arg: ci.Cursor,
+        method: ci.Cursor | None,
+        callables: list[str],
+        params: list[str],
+        field_writes: list[str],
     ) -> None:
         stack = [arg]
         while stack:
@@ -621,7 +699,7 @@ class _Walker:
                     field_writes.append(r.get_usr())
             if c.kind == K.CALL_EXPR and c.referenced is not None:
                 r = c.referenced
-                if r.spelling == "init" and _in_pybind11(r) and not list(c.get_arguments()):
+                if method is not None and r.spelling == "init" and _in_pybind11(r) and not list(c.get_arguments()):
                     # py::init<Args...>(): the bound class's constructors, with Args as the parameter types.
                     params.append(c.type.get_canonical().spelling)
                     bound = method.semantic_parent.type.get_template_argument_type(0)

@@ -12,7 +12,10 @@ every override (a ``PYBIND11_OVERRIDE*`` trampoline included).
 Per-step entry points are the bindings, in any module, whose Python name is one of ``PER_STEP_METHODS``: the
 methods of vLLM's attention-backend contract that vLLM calls on every step (the model runner builds the attention
 metadata each step: ``build``, ``build_for_drafting`` for speculative decoding, ``update_block_table`` for groups
-that share a layout; the attention layer calls ``forward`` and ``do_kv_cache_update`` per layer per step).
+that share a layout; the attention layer calls ``forward`` and ``do_kv_cache_update`` per layer per step). A binding
+is a pybind11 ``.def``/``.def_static`` or an entry of a CPython method table (``PyMethodDef``): a module written
+against the C API without pybind11 is held to the same rules. Its property setters (``PyGetSetDef``) and writable
+members (``PyMemberDef``) are bindings that store, as ``def_property``/``def_readwrite`` are.
 
 Request-path modules are the binding files that bind a method of vLLM's endpoint-plugin contract
 (``REQUEST_METHODS``): they serve HTTP requests (their ASGI awaitables run from type slots, which no binding reaches
@@ -46,7 +49,7 @@ _SEARCH_OPTIONS = ("-iquote", "-isystem", "-idirafter", "-I")
 
 PER_STEP_METHODS = ("build", "build_for_drafting", "update_block_table", "forward", "do_kv_cache_update")
 REQUEST_METHODS = ("attach_router", "init_state")
-_STEP_BIND_METHODS = ("def", "def_static")
+_STEP_BIND_METHODS = ("def", "def_static", "PyMethodDef")
 _STD_FUNCTION_RE = re.compile(r"\bstd::(\w+::)?function<")
 
 
@@ -417,6 +420,11 @@ def _label(ident: str, functions: dict[str, dict[str, Any]]) -> str:
 _PY_OBJECT_RE = re.compile(r"\bpybind11::(function|object|handle)\b|\b_object \*|PyObject \*")
 
 
+def _shown_type(spelling: str) -> str:
+    """A canonical type as the code spells it: CPython's ``_object *`` is ``PyObject *``."""
+    return re.sub(r"\b_object \*", "PyObject *", spelling)
+
+
 def _python_callable_param(params: list[str], functional: bool) -> str | None:
     """The first parameter type that carries a Python callable into native code, else None.
 
@@ -482,7 +490,8 @@ def _per_step(
     if not readers:
         return findings
     for rel, b, functional in bindings:
-        stored: list[tuple[str, str]] = [(usr, "def_readwrite") for usr in b["field_writes"] if usr in readers]
+        writer_of_field = "def_readwrite" if b["method"].startswith("def_readwrite") else b["method"]
+        stored = [(usr, writer_of_field) for usr in b["field_writes"] if usr in readers]
         param = _python_callable_param(b["params"], functional)
         if param:
             closure = _reach(b["callables"], functions, overriders)
@@ -499,7 +508,7 @@ def _per_step(
             info = state.get(usr, {"name": usr, "path": "?", "line": 0})
             reader, entry_rel, entry = readers[usr]
             rnode = functions.get(reader, {"name": reader, "path": "?", "line": 0})
-            how = f"takes `{param}` and " if param else ""
+            how = f"takes `{_shown_type(param)}` and " if param else ""
             findings.append(
                 Finding(
                     "per-step-python-callback",

@@ -107,8 +107,8 @@ def test_corpus_has_every_rule_and_accepted_files() -> None:
     assert rules == {"python-in-engine", "python-import-from-cpp", "per-step-python-callback", "parse-error",
                      "request-path-python-call"}
     accepted = [rel for rel in CASES if not expected(rel)]
-    assert {"bindings/modules/gil_release.cpp", "engine/src/clean.cpp", "engine/src/transitive.cpp",
-            "engine/src/cuda/clean_kernel.cu"} <= set(accepted)
+    assert {"bindings/modules/gil_release.cpp", "bindings/modules/c_api_module_ok.cpp", "engine/src/clean.cpp",
+            "engine/src/transitive.cpp", "engine/src/cuda/clean_kernel.cu"} <= set(accepted)
 
 
 def test_json_report_shape(scan: dict) -> None:
@@ -147,6 +147,15 @@ def test_messages_name_the_call_and_the_way_out(scan: dict) -> None:
     assert "corpus_trampoline::Policy::score -> corpus_trampoline::PyPolicy::score" in trampoline
     store = message("bindings/modules/per_step_store.cpp", '"set_hook"')
     assert "binding 'set_hook' takes `std::function<void (int)>`" in store and "corpus_store::Engine::hook_" in store
+    kept = message("bindings/modules/c_api_module.cpp", '{"set_on_step"')
+    assert kept.startswith("binding 'set_on_step' takes `PyObject *` and stores a Python callable into "
+                           "`corpus_c_api_module::Engine::on_step`")
+    assert "reached from binding 'forward' at bindings/modules/c_api_module.cpp:" in kept
+    member = message("bindings/modules/c_api_module.cpp", '{"progress"')
+    assert "`corpus_c_api_module::Engine::progress`" in member and "written by PyMemberDef" in member
+    called = message("bindings/modules/c_api_module.cpp", "PyObject_CallObject(")
+    assert called.startswith("`PyObject_CallObject(e->on_step,args)` calls PyObject_CallObject: a Python call on the "
+                             "per-step path: binding 'forward'")
     broken = message("bindings/modules/broken.cpp", "broken(")
     assert "compile_commands.json entry of bindings/modules/broken.cpp" in broken
 
