@@ -18,6 +18,16 @@ Facts of one translation unit::
     names: {usr: qualified name} of the project functions called (declared-only ones included)
     deps: [absolute paths of every file the unit included]
 
+The include graph is that of the ``#include`` directives the preprocessor processed (an edge for every directive,
+also one that include guards made a no-op); a file reaches what its directives reach. ``deps``, ``functional``
+(pybind11/functional.h is reached from the main file) and a project include's ``forbidden`` (the first Python
+header it reaches) come from it.
+
+A unit may be parsed against a shared prelude (``intake/prelude.py``): a precompiled header of the third-party
+headers its project files include, built once for every unit with the same flags with function bodies skipped
+(``build_prelude``). Only declarations are read from third-party headers, so the facts are the same; the prelude's
+own include graph stands in for the part of the unit's graph that the precompiled header holds.
+
 A function id is its USR; a lambda's is ``lambda@PATH:LINE:COL``.
 """
 
@@ -27,6 +37,7 @@ import ctypes
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +104,7 @@ _MUTATORS = frozenset(
         "swap",
     }
 )
+_BUILTIN_PREFIXES = ("__builtin_", "__atomic_", "__sync_", "__c11_atomic_")
 EXCLUDED_TOP = (".venv", "build", "dist", ".git", "node_modules")
 
 
@@ -274,9 +286,38 @@ def _string_value(literal: str) -> str:
     return m.group(1) if m else literal
 
 
+def _directive_edges(tops: list[ci.Cursor], graph: dict[str, list[str]]) -> None:
+    """Add to ``graph`` an edge (includer -> included, normalised absolute paths) for every inclusion directive among
+    ``tops`` (a translation unit's top-level cursors, which hold its preprocessing record)."""
+    for c in tops:
+        if c.kind != K.INCLUSION_DIRECTIVE or c.location.file is None:
+            continue
+        try:
+            included = c.get_included_file()
+        except AssertionError:  # cindex asserts on a file that was not found
+            continue
+        if included is not None:
+            src = os.path.normpath(c.location.file.name)
+            graph.setdefault(src, []).append(os.path.normpath(included.name))
+
+
+def _reached(graph: dict[str, list[str]], start: str) -> set[str]:
+    seen = {start}
+    stack = [start]
+    while stack:
+        for nxt in graph.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
 class _Walker:
-    def __init__(self, tu: ci.TranslationUnit, main: Path, root: Path) -> None:
+    def __init__(
+        self, tu: ci.TranslationUnit, main: Path, root: Path, prelude_graph: dict[str, list[str]] | None = None
+    ) -> None:
         self.tu = tu
+        self.prelude_graph = prelude_graph or {}
         self.main = main
         self.root = root
         self.rel_cache: dict[str, str | None] = {}
@@ -322,7 +363,9 @@ class _Walker:
         if usr in self.project_decl_cache:
             return self.project_decl_cache[usr]
         f = r.location.file
-        ok = self.rel(f.name if f else None) is not None
+        # A compiler builtin is declared where it is first used, which may be project code: never the project's.
+        builtin = r.kind == K.FUNCTION_DECL and r.spelling.startswith(_BUILTIN_PREFIXES)
+        ok = not builtin and self.rel(f.name if f else None) is not None
         if usr:
             self.project_decl_cache[usr] = ok
         return ok
@@ -336,16 +379,13 @@ class _Walker:
 
     # ------------------------------------------------------------------------------------------------- includes
 
-    def collect_includes(self) -> None:
-        for inc in self.tu.get_includes():
-            src = inc.source.name if inc.source else None
-            dst = inc.include.name if inc.include else None
-            if dst:
-                self.deps.add(os.path.normpath(dst))
-                if src:
-                    self.include_graph.setdefault(os.path.normpath(src), []).append(os.path.normpath(dst))
-                if dst.replace(os.sep, "/").endswith("pybind11/functional.h"):
-                    self.functional = True
+    def collect_includes(self, tops: list[ci.Cursor]) -> None:
+        graph: dict[str, list[str]] = {src: list(dsts) for src, dsts in self.prelude_graph.items()}
+        _directive_edges(tops, graph)
+        self.include_graph = graph
+        main = os.path.normpath(str(self.main))
+        self.deps = _reached(graph, main) - {main}
+        self.functional = any(d.replace(os.sep, "/").endswith("pybind11/functional.h") for d in self.deps)
 
     def forbidden_via(self, resolved: str) -> str | None:
         """The first forbidden header ``resolved`` is or pulls in (depth first), else None."""
@@ -364,8 +404,13 @@ class _Walker:
     # ------------------------------------------------------------------------------------------------- the walk
 
     def run(self) -> None:
-        self.collect_includes()
         tops = [c for c in self.tu.cursor.get_children()]
+        if self.prelude_graph:
+            # Parsed with only its own declarations (Index excludeDecls): libclang then lists the unit's template
+            # instantiations among the top-level cursors too; the walk reads code as written, as without a prelude.
+            tu_kind = K.TRANSLATION_UNIT
+            tops = [c for c in tops if not c.kind.is_declaration() or c.lexical_parent.kind == tu_kind]
+        self.collect_includes(tops)
         for c in tops:
             if c.kind == K.MACRO_INSTANTIATION:
                 rel = self.rel(c.location.file.name if c.location.file else None)
@@ -730,10 +775,81 @@ def _short_header(path: str) -> str:
     return p.rsplit("/include/", 1)[-1] if "/include/" in p else p.rsplit("/", 1)[-1]
 
 
-def parse(main: str, args: list[str], root: str, flags_source: str) -> dict[str, Any]:
-    """Parse ``main`` (absolute path) with ``args``; return its facts (see the module docstring)."""
+# libclang's CXTranslationUnit_SkipFunctionBodies (cindex: TranslationUnit.PARSE_SKIP_FUNCTION_BODIES).
+_SKIP_FUNCTION_BODIES = 0x40
+# Messages of a precompiled header that cannot be used (moved, rebuilt, built by another libclang).
+_PCH_TROUBLE = re.compile(r"precompiled header|PCH file|AST file|module file", re.IGNORECASE)
+
+
+def build_prelude(header: str, pch: str, args: list[str], root: str) -> dict[str, Any]:
+    """Parse ``header`` (the prelude: third-party ``#include`` lines) with ``args`` as a C++ header, function bodies
+    skipped, and save it as the precompiled header ``pch``. Returns {ok, reason, graph (its include directives),
+    seconds}; not ok (with the reason) when it has errors or reaches a project file: its units are then parsed
+    without it."""
+    start = time.monotonic()
+    header_args = list(args)
+    if "-x" in header_args[:-1]:
+        i = header_args.index("-x")
+        if not header_args[i + 1].endswith("-header"):
+            header_args[i + 1] += "-header"
+    else:
+        header_args = ["-x", "c++-header", *header_args]
+    options = (
+        ci.TranslationUnit.PARSE_DETAILED_PROCESSING_RECORD | ci.TranslationUnit.PARSE_INCOMPLETE | _SKIP_FUNCTION_BODIES
+    )
+    try:
+        tu = ci.Index.create().parse(header, args=header_args, options=options)
+    except ci.TranslationUnitLoadError as e:
+        return {"ok": False, "reason": f"libclang could not load it: {e}", "graph": {}}
+    errors = [d for d in tu.diagnostics if d.severity >= ci.Diagnostic.Error]
+    if errors:
+        d = errors[0]
+        where = f"{d.location.file.name}:{d.location.line}: " if d.location.file else ""
+        return {"ok": False, "reason": f"{where}{d.spelling}", "graph": {}}
+    graph: dict[str, list[str]] = {}
+    _directive_edges(list(tu.cursor.get_children()), graph)
+    root_path = Path(root)
+    for f in {d for dsts in graph.values() for d in dsts}:
+        if _project_path(root_path, f):
+            return {"ok": False, "reason": f"it reaches the project file {f}", "graph": {}}
+    try:
+        tu.save(pch)
+    except ci.TranslationUnitSaveError as e:
+        return {"ok": False, "reason": f"cannot save {pch}: {e}", "graph": {}}
+    return {"ok": True, "reason": "", "graph": graph, "seconds": time.monotonic() - start}
+
+
+def _project_path(root: Path, path: str) -> bool:
+    try:
+        parts = Path(path).relative_to(root).parts
+    except ValueError:
+        return False
+    return bool(parts) and parts[0] not in EXCLUDED_TOP and "site-packages" not in parts
+
+
+def parse(
+    main: str, args: list[str], root: str, flags_source: str, prelude: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Parse ``main`` (absolute path) with ``args``; return its facts (see the module docstring). ``prelude``:
+    {pch, graph} of a shared prelude ``build_prelude`` made with the same ``args``; a unit that cannot use it is
+    parsed without it."""
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))
     root_path = Path(root)
+    if prelude is not None:
+        # Only this unit's own declarations and preprocessing record are walked: the prelude's stay in the PCH.
+        index = ci.Index.create(excludeDecls=True)
+        try:
+            tu = index.parse(
+                main, args=[*args, "-include-pch", prelude["pch"]],
+                options=ci.TranslationUnit.PARSE_DETAILED_PROCESSING_RECORD,
+            )  # fmt: skip
+        except ci.TranslationUnitLoadError:
+            tu = None
+        if tu is None or any(
+            d.severity >= ci.Diagnostic.Error and _PCH_TROUBLE.search(d.spelling) for d in tu.diagnostics
+        ):
+            return parse(main, args, root, flags_source)
+        return _facts(tu, main, root_path, flags_source, prelude["graph"])
     index = ci.Index.create()
     try:
         tu = index.parse(main, args=args, options=ci.TranslationUnit.PARSE_DETAILED_PROCESSING_RECORD)
@@ -749,7 +865,13 @@ def parse(main: str, args: list[str], root: str, flags_source: str) -> dict[str,
             "functional": False,
             "deps": [],
         }
-    walker = _Walker(tu, Path(main), root_path)
+    return _facts(tu, main, root_path, flags_source, None)
+
+
+def _facts(
+    tu: ci.TranslationUnit, main: str, root_path: Path, flags_source: str, prelude_graph: dict[str, list[str]] | None
+) -> dict[str, Any]:
+    walker = _Walker(tu, Path(main), root_path, prelude_graph)
     errors = []
     for d in tu.diagnostics:
         if d.severity < ci.Diagnostic.Error:
