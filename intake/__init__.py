@@ -16,7 +16,8 @@ Rules (stable ids; ``findings.RULES`` has their texts): ``new-python-module``, `
 socket, folder link, a link out of the tree or a file over 8 MiB: never read, never passed; ``files``),
 ``baseline-change``, ``baseline-stale``.
 
-Modules: ``screen`` (scan, check), ``native`` (C/C++ program and rules) on ``cxx`` (libclang facts), ``flags``
+Modules: ``screen`` (scan, check), ``native`` (C/C++ program and rules) on ``cxx`` (libclang facts) and ``prelude``
+(the precompiled third-party headers units share), ``flags``
 (compile_commands.json), ``cache`` (parse cache), ``pyfiles``, ``patches`` (on ``tools.contracts``), ``baseline``,
 ``gitdiff`` (gitpython), ``files`` (the one way files are walked and read), ``findings`` (rules and output formats),
 ``bench`` (cold and warm scan times).

@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     info = findings.summary(result.findings, result.files, result.baselined, result.command)
     info["parsed"] = result.parsed
     info["from_cache"] = result.cached
+    info["preludes"] = result.preludes
     if args.format == "json":
         out = findings.render_json(result.findings, info)
     elif args.format == "sarif":

@@ -10,10 +10,23 @@ Facts of one translation unit::
     main, flags_source, errors: [{path, line, col, message, missing}]   (severity >= error)
     files: {rel: {includes: [{line, col, spelled, forbidden}], imports: [{line, col, call, macro}],
                   bindings: [{line, col, name, method, callables, params, field_writes}]}}
+        (a binding: a pybind11 ``.def*`` call, method its name; or an entry of a CPython binding table, method the
+        table's type: ``PyMethodDef`` (callables: the C function), ``PyGetSetDef`` (its setter), ``PyMemberDef``
+        (field_writes: the member's field, unless flagged READONLY))
     functions: {id: {name, path, line, calls: [id], sinks: [{path, line, col, call}], reads: [usr], writes: [usr]}}
     overrides: [[base usr, overrider usr]]      state: {usr: {name, path, line}}     functional: bool
     names: {usr: qualified name} of the project functions called (declared-only ones included)
     deps: [absolute paths of every file the unit included]
+
+The include graph is that of the ``#include`` directives the preprocessor processed (an edge for every directive,
+also one that include guards made a no-op); a file reaches what its directives reach. ``deps``, ``functional``
+(pybind11/functional.h is reached from the main file) and a project include's ``forbidden`` (the first Python
+header it reaches) come from it.
+
+A unit may be parsed against a shared prelude (``intake/prelude.py``): a precompiled header of the third-party
+headers its project files include, built once for every unit with the same flags with function bodies skipped
+(``build_prelude``). Only declarations are read from third-party headers, so the facts are the same; the prelude's
+own include graph stands in for the part of the unit's graph that the precompiled header holds.
 
 A function id is its USR; a lambda's is ``lambda@PATH:LINE:COL``.
 """
@@ -24,6 +37,7 @@ import ctypes
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +85,9 @@ BIND_METHODS = frozenset(
         "def_readonly_static",
     }
 )
+# CPython's binding tables: each entry is a binding, as a pybind11 ``.def`` call is (its first field the Python name).
+C_API_TABLES = frozenset({"PyMethodDef", "PyGetSetDef", "PyMemberDef"})
+_PY_READONLY = 1  # PyMemberDef.flags: READONLY / Py_READONLY (structmember.h, descrobject.h)
 _MUTATORS = frozenset(
     {
         "operator=",
@@ -87,6 +104,7 @@ _MUTATORS = frozenset(
         "swap",
     }
 )
+_BUILTIN_PREFIXES = ("__builtin_", "__atomic_", "__sync_", "__c11_atomic_")
 EXCLUDED_TOP = (".venv", "build", "dist", ".git", "node_modules")
 
 
@@ -125,6 +143,14 @@ def _lib() -> Any:
         lib.clang_getCursorBinaryOperatorKind.restype = ctypes.c_int
         lib.clang_getSpecializedCursorTemplate.argtypes = [ci.Cursor]
         lib.clang_getSpecializedCursorTemplate.restype = ci.Cursor
+        lib.clang_Cursor_Evaluate.argtypes = [ci.Cursor]
+        lib.clang_Cursor_Evaluate.restype = ctypes.c_void_p
+        lib.clang_EvalResult_getKind.argtypes = [ctypes.c_void_p]
+        lib.clang_EvalResult_getKind.restype = ctypes.c_int
+        lib.clang_EvalResult_getAsLongLong.argtypes = [ctypes.c_void_p]
+        lib.clang_EvalResult_getAsLongLong.restype = ctypes.c_longlong
+        lib.clang_EvalResult_dispose.argtypes = [ctypes.c_void_p]
+        lib.clang_EvalResult_dispose.restype = None
         _lib_ready = True
     return lib
 
@@ -141,6 +167,18 @@ def _is_assignment(c: ci.Cursor) -> bool:
         lib.clang_getBinaryOperatorKindSpelling.errcheck = ci._CXString.from_result
         _ASSIGN_KIND = next(k for k in range(1, 40) if lib.clang_getBinaryOperatorKindSpelling(k) == "=")
     return lib.clang_getCursorBinaryOperatorKind(c) == _ASSIGN_KIND
+
+
+def int_value(c: ci.Cursor) -> int | None:
+    """The value of an integer constant expression (a macro such as READONLY included), else None."""
+    lib = _lib()
+    res = lib.clang_Cursor_Evaluate(c)
+    if not res:
+        return None
+    try:
+        return lib.clang_EvalResult_getAsLongLong(res) if lib.clang_EvalResult_getKind(res) == 1 else None  # CXEval_Int
+    finally:
+        lib.clang_EvalResult_dispose(res)
 
 
 def overridden_usrs(c: ci.Cursor) -> list[str]:
@@ -248,9 +286,38 @@ def _string_value(literal: str) -> str:
     return m.group(1) if m else literal
 
 
+def _directive_edges(tops: list[ci.Cursor], graph: dict[str, list[str]]) -> None:
+    """Add to ``graph`` an edge (includer -> included, normalised absolute paths) for every inclusion directive among
+    ``tops`` (a translation unit's top-level cursors, which hold its preprocessing record)."""
+    for c in tops:
+        if c.kind != K.INCLUSION_DIRECTIVE or c.location.file is None:
+            continue
+        try:
+            included = c.get_included_file()
+        except AssertionError:  # cindex asserts on a file that was not found
+            continue
+        if included is not None:
+            src = os.path.normpath(c.location.file.name)
+            graph.setdefault(src, []).append(os.path.normpath(included.name))
+
+
+def _reached(graph: dict[str, list[str]], start: str) -> set[str]:
+    seen = {start}
+    stack = [start]
+    while stack:
+        for nxt in graph.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
 class _Walker:
-    def __init__(self, tu: ci.TranslationUnit, main: Path, root: Path) -> None:
+    def __init__(
+        self, tu: ci.TranslationUnit, main: Path, root: Path, prelude_graph: dict[str, list[str]] | None = None
+    ) -> None:
         self.tu = tu
+        self.prelude_graph = prelude_graph or {}
         self.main = main
         self.root = root
         self.rel_cache: dict[str, str | None] = {}
@@ -296,7 +363,9 @@ class _Walker:
         if usr in self.project_decl_cache:
             return self.project_decl_cache[usr]
         f = r.location.file
-        ok = self.rel(f.name if f else None) is not None
+        # A compiler builtin is declared where it is first used, which may be project code: never the project's.
+        builtin = r.kind == K.FUNCTION_DECL and r.spelling.startswith(_BUILTIN_PREFIXES)
+        ok = not builtin and self.rel(f.name if f else None) is not None
         if usr:
             self.project_decl_cache[usr] = ok
         return ok
@@ -310,16 +379,13 @@ class _Walker:
 
     # ------------------------------------------------------------------------------------------------- includes
 
-    def collect_includes(self) -> None:
-        for inc in self.tu.get_includes():
-            src = inc.source.name if inc.source else None
-            dst = inc.include.name if inc.include else None
-            if dst:
-                self.deps.add(os.path.normpath(dst))
-                if src:
-                    self.include_graph.setdefault(os.path.normpath(src), []).append(os.path.normpath(dst))
-                if dst.replace(os.sep, "/").endswith("pybind11/functional.h"):
-                    self.functional = True
+    def collect_includes(self, tops: list[ci.Cursor]) -> None:
+        graph: dict[str, list[str]] = {src: list(dsts) for src, dsts in self.prelude_graph.items()}
+        _directive_edges(tops, graph)
+        self.include_graph = graph
+        main = os.path.normpath(str(self.main))
+        self.deps = _reached(graph, main) - {main}
+        self.functional = any(d.replace(os.sep, "/").endswith("pybind11/functional.h") for d in self.deps)
 
     def forbidden_via(self, resolved: str) -> str | None:
         """The first forbidden header ``resolved`` is or pulls in (depth first), else None."""
@@ -338,8 +404,13 @@ class _Walker:
     # ------------------------------------------------------------------------------------------------- the walk
 
     def run(self) -> None:
-        self.collect_includes()
         tops = [c for c in self.tu.cursor.get_children()]
+        if self.prelude_graph:
+            # Parsed with only its own declarations (Index excludeDecls): libclang then lists the unit's template
+            # instantiations among the top-level cursors too; the walk reads code as written, as without a prelude.
+            tu_kind = K.TRANSLATION_UNIT
+            tops = [c for c in tops if not c.kind.is_declaration() or c.lexical_parent.kind == tu_kind]
+        self.collect_includes(tops)
         for c in tops:
             if c.kind == K.MACRO_INSTANTIATION:
                 rel = self.rel(c.location.file.name if c.location.file else None)
@@ -462,6 +533,8 @@ class _Walker:
             r = c.referenced
             if r is not None:
                 self.reference(c, r, rel, node, decl)
+        elif kind == K.INIT_LIST_EXPR and self.c_api_entry(c, rel):
+            pass
         elif kind == K.INIT_LIST_EXPR and node is not None:
             record = c.type.get_canonical().get_declaration()
             if record is not None and record.kind in (K.STRUCT_DECL, K.CLASS_DECL):
@@ -600,8 +673,58 @@ class _Walker:
             }
         )
 
+    def c_api_entry(self, c: ci.Cursor, rel: str) -> bool:
+        """Record ``c`` as a binding when it is an entry of a CPython binding table (C_API_TABLES); True if it is
+        one (the sentinel entry included). The table types are Python's own (declared outside the project)."""
+        record = c.type.get_canonical().get_declaration()
+        if record is None or record.kind != K.STRUCT_DECL or record.spelling not in C_API_TABLES:
+            return False
+        if self.is_project_decl(record):
+            return False
+        fields = list(c.get_children())
+        first = _strip(fields[0]) if fields else None
+        if first is None or first.kind != K.STRING_LITERAL:
+            return True  # the {nullptr} sentinel, or a name that is no literal: no Python name to judge
+        table = record.spelling
+        tokens = [t.spelling for t in first.get_tokens()]
+        callables: list[str] = []
+        params: list[str] = []
+        field_writes: list[str] = []
+        if table == "PyMethodDef" and len(fields) > 1:
+            self.binding_arg(fields[1], None, callables, params, field_writes)
+            field_writes = []
+        elif table == "PyGetSetDef" and len(fields) > 2:  # {name, get, set, doc, closure}: the setter stores
+            self.binding_arg(fields[2], None, callables, params, field_writes)
+            field_writes = []
+        elif table == "PyMemberDef" and len(fields) > 2:  # {name, type, offset, flags, doc}
+            flags = int_value(fields[3]) if len(fields) > 3 else 0
+            if flags is not None and not flags & _PY_READONLY:
+                for sub in fields[2].walk_preorder():
+                    r = sub.referenced if sub.kind == K.MEMBER_REF else None
+                    if r is not None and r.kind == K.FIELD_DECL and self.is_state(r):
+                        field_writes.append(r.get_usr())
+        loc = first.location
+        site_rel = self.rel(loc.file.name if loc.file else None) or rel
+        self.file_facts(site_rel)["bindings"].append(
+            {
+                "line": loc.line,
+                "col": loc.column,
+                "name": _string_value(tokens[0] if tokens else first.spelling),
+                "method": table,
+                "callables": sorted(set(callables)),
+                "params": params,
+                "field_writes": field_writes,
+            }
+        )
+        return True
+
     def binding_arg(
-        self, arg: ci.Cursor, method: ci.Cursor, callables: list[str], params: list[str], field_writes: list[str]
+        self,
+        arg: ci.Cursor,
+        method: ci.Cursor | None,
+        callables: list[str],
+        params: list[str],
+        field_writes: list[str],
     ) -> None:
         stack = [arg]
         while stack:
@@ -621,7 +744,7 @@ class _Walker:
                     field_writes.append(r.get_usr())
             if c.kind == K.CALL_EXPR and c.referenced is not None:
                 r = c.referenced
-                if r.spelling == "init" and _in_pybind11(r) and not list(c.get_arguments()):
+                if method is not None and r.spelling == "init" and _in_pybind11(r) and not list(c.get_arguments()):
                     # py::init<Args...>(): the bound class's constructors, with Args as the parameter types.
                     params.append(c.type.get_canonical().spelling)
                     bound = method.semantic_parent.type.get_template_argument_type(0)
@@ -652,10 +775,81 @@ def _short_header(path: str) -> str:
     return p.rsplit("/include/", 1)[-1] if "/include/" in p else p.rsplit("/", 1)[-1]
 
 
-def parse(main: str, args: list[str], root: str, flags_source: str) -> dict[str, Any]:
-    """Parse ``main`` (absolute path) with ``args``; return its facts (see the module docstring)."""
+# libclang's CXTranslationUnit_SkipFunctionBodies (cindex: TranslationUnit.PARSE_SKIP_FUNCTION_BODIES).
+_SKIP_FUNCTION_BODIES = 0x40
+# Messages of a precompiled header that cannot be used (moved, rebuilt, built by another libclang).
+_PCH_TROUBLE = re.compile(r"precompiled header|PCH file|AST file|module file", re.IGNORECASE)
+
+
+def build_prelude(header: str, pch: str, args: list[str], root: str) -> dict[str, Any]:
+    """Parse ``header`` (the prelude: third-party ``#include`` lines) with ``args`` as a C++ header, function bodies
+    skipped, and save it as the precompiled header ``pch``. Returns {ok, reason, graph (its include directives),
+    seconds}; not ok (with the reason) when it has errors or reaches a project file: its units are then parsed
+    without it."""
+    start = time.monotonic()
+    header_args = list(args)
+    if "-x" in header_args[:-1]:
+        i = header_args.index("-x")
+        if not header_args[i + 1].endswith("-header"):
+            header_args[i + 1] += "-header"
+    else:
+        header_args = ["-x", "c++-header", *header_args]
+    options = (
+        ci.TranslationUnit.PARSE_DETAILED_PROCESSING_RECORD | ci.TranslationUnit.PARSE_INCOMPLETE | _SKIP_FUNCTION_BODIES
+    )
+    try:
+        tu = ci.Index.create().parse(header, args=header_args, options=options)
+    except ci.TranslationUnitLoadError as e:
+        return {"ok": False, "reason": f"libclang could not load it: {e}", "graph": {}}
+    errors = [d for d in tu.diagnostics if d.severity >= ci.Diagnostic.Error]
+    if errors:
+        d = errors[0]
+        where = f"{d.location.file.name}:{d.location.line}: " if d.location.file else ""
+        return {"ok": False, "reason": f"{where}{d.spelling}", "graph": {}}
+    graph: dict[str, list[str]] = {}
+    _directive_edges(list(tu.cursor.get_children()), graph)
+    root_path = Path(root)
+    for f in {d for dsts in graph.values() for d in dsts}:
+        if _project_path(root_path, f):
+            return {"ok": False, "reason": f"it reaches the project file {f}", "graph": {}}
+    try:
+        tu.save(pch)
+    except ci.TranslationUnitSaveError as e:
+        return {"ok": False, "reason": f"cannot save {pch}: {e}", "graph": {}}
+    return {"ok": True, "reason": "", "graph": graph, "seconds": time.monotonic() - start}
+
+
+def _project_path(root: Path, path: str) -> bool:
+    try:
+        parts = Path(path).relative_to(root).parts
+    except ValueError:
+        return False
+    return bool(parts) and parts[0] not in EXCLUDED_TOP and "site-packages" not in parts
+
+
+def parse(
+    main: str, args: list[str], root: str, flags_source: str, prelude: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Parse ``main`` (absolute path) with ``args``; return its facts (see the module docstring). ``prelude``:
+    {pch, graph} of a shared prelude ``build_prelude`` made with the same ``args``; a unit that cannot use it is
+    parsed without it."""
     sys.setrecursionlimit(max(sys.getrecursionlimit(), 20000))
     root_path = Path(root)
+    if prelude is not None:
+        # Only this unit's own declarations and preprocessing record are walked: the prelude's stay in the PCH.
+        index = ci.Index.create(excludeDecls=True)
+        try:
+            tu = index.parse(
+                main, args=[*args, "-include-pch", prelude["pch"]],
+                options=ci.TranslationUnit.PARSE_DETAILED_PROCESSING_RECORD,
+            )  # fmt: skip
+        except ci.TranslationUnitLoadError:
+            tu = None
+        if tu is None or any(
+            d.severity >= ci.Diagnostic.Error and _PCH_TROUBLE.search(d.spelling) for d in tu.diagnostics
+        ):
+            return parse(main, args, root, flags_source)
+        return _facts(tu, main, root_path, flags_source, prelude["graph"])
     index = ci.Index.create()
     try:
         tu = index.parse(main, args=args, options=ci.TranslationUnit.PARSE_DETAILED_PROCESSING_RECORD)
@@ -671,7 +865,13 @@ def parse(main: str, args: list[str], root: str, flags_source: str) -> dict[str,
             "functional": False,
             "deps": [],
         }
-    walker = _Walker(tu, Path(main), root_path)
+    return _facts(tu, main, root_path, flags_source, None)
+
+
+def _facts(
+    tu: ci.TranslationUnit, main: str, root_path: Path, flags_source: str, prelude_graph: dict[str, list[str]] | None
+) -> dict[str, Any]:
+    walker = _Walker(tu, Path(main), root_path, prelude_graph)
     errors = []
     for d in tu.diagnostics:
         if d.severity < ci.Diagnostic.Error:

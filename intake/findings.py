@@ -38,8 +38,9 @@ RULES: dict[str, Rule] = {
         ),
         Rule(
             "per-step-python-callback",
-            "A Python call reachable from a per-step binding (build, forward, do_kv_cache_update, ...), or a binding "
-            "that stores a Python callable into state the per-step path reads.",
+            "A Python call reachable from a per-step binding (build, forward, do_kv_cache_update, ...: a pybind11 "
+            ".def or a CPython PyMethodDef entry), or a binding that stores a Python object it was handed (py::object, "
+            "std::function, PyObject*) into state the per-step path reads.",
             "Keep the per-step path native: pass plain values and tensors, read Python objects before the step, "
             "and put the logic the callable held into C++.",
         ),

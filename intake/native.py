@@ -12,7 +12,10 @@ every override (a ``PYBIND11_OVERRIDE*`` trampoline included).
 Per-step entry points are the bindings, in any module, whose Python name is one of ``PER_STEP_METHODS``: the
 methods of vLLM's attention-backend contract that vLLM calls on every step (the model runner builds the attention
 metadata each step: ``build``, ``build_for_drafting`` for speculative decoding, ``update_block_table`` for groups
-that share a layout; the attention layer calls ``forward`` and ``do_kv_cache_update`` per layer per step).
+that share a layout; the attention layer calls ``forward`` and ``do_kv_cache_update`` per layer per step). A binding
+is a pybind11 ``.def``/``.def_static`` or an entry of a CPython method table (``PyMethodDef``): a module written
+against the C API without pybind11 is held to the same rules. Its property setters (``PyGetSetDef``) and writable
+members (``PyMemberDef``) are bindings that store, as ``def_property``/``def_readwrite`` are.
 
 Request-path modules are the binding files that bind a method of vLLM's endpoint-plugin contract
 (``REQUEST_METHODS``): they serve HTTP requests (their ASGI awaitables run from type slots, which no binding reaches
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -35,9 +39,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from intake import files
+from intake import files, prelude
 from intake.cache import Cache
-from intake.cxx import EXCLUDED_TOP, forbidden_header, lex_screen, parse
+from intake.cxx import EXCLUDED_TOP, build_prelude, forbidden_header, lex_screen, parse
 from intake.findings import Finding
 from intake.flags import CompileDatabase, Flags
 
@@ -46,7 +50,7 @@ _SEARCH_OPTIONS = ("-iquote", "-isystem", "-idirafter", "-I")
 
 PER_STEP_METHODS = ("build", "build_for_drafting", "update_block_table", "forward", "do_kv_cache_update")
 REQUEST_METHODS = ("attach_router", "init_state")
-_STEP_BIND_METHODS = ("def", "def_static")
+_STEP_BIND_METHODS = ("def", "def_static", "PyMethodDef")
 _STD_FUNCTION_RE = re.compile(r"\bstd::(\w+::)?function<")
 
 
@@ -54,26 +58,59 @@ _STD_FUNCTION_RE = re.compile(r"\bstd::(\w+::)?function<")
 class Program:
     units: list[dict[str, Any]] = field(default_factory=list)
     parsed: int = 0  # units parsed in this run (the rest came from the cache)
+    preludes: int = 0  # shared preludes built for them (intake/prelude.py)
     refused: list[Finding] = field(default_factory=list)  # units never parsed: an include names a refused file
 
 
-def _parse_job(job: tuple[str, list[str], str, str]) -> dict[str, Any]:
+def _parse_job(job: tuple[str, list[str], str, str, dict[str, Any] | None]) -> dict[str, Any]:
     return parse(*job)
 
 
-def _run_jobs(jobs: list[tuple[str, list[str], str, str]], workers: int) -> list[dict[str, Any]]:
+def _prelude_job(job: tuple[str, str, list[str], str]) -> dict[str, Any]:
+    return build_prelude(*job)
+
+
+def _pool_map(fn: Any, jobs: list[Any], workers: int, size: Any) -> list[Any]:
     if not jobs:
         return []
     if workers <= 1 or len(jobs) == 1:
-        return [_parse_job(j) for j in jobs]
-    # Longest first: a torch-heavy unit started last would leave the other workers idle.
-    order = sorted(range(len(jobs)), key=lambda i: -os.path.getsize(jobs[i][0]) if os.path.exists(jobs[i][0]) else 0)
+        return [fn(j) for j in jobs]
+    # Longest first: a heavy job started last would leave the other workers idle.
+    order = sorted(range(len(jobs)), key=lambda i: -size(jobs[i]))
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=get_context("fork")) as pool:
-        results = list(pool.map(_parse_job, [jobs[i] for i in order]))
-    out: list[dict[str, Any]] = [{}] * len(jobs)
+        results = list(pool.map(fn, [jobs[i] for i in order]))
+    out: list[Any] = [{}] * len(jobs)
     for i, r in zip(order, results):
         out[i] = r
     return out
+
+
+def _run_jobs(root: Path, jobs: list[tuple[str, list[str], str, str]], workers: int) -> tuple[list[dict[str, Any]], int]:
+    """Facts of each job (main, args, root, flags source), parsed against the shared preludes (``prelude``) where
+    they apply; and the number of preludes built."""
+    if not jobs:
+        return [], 0
+    groups = prelude.plan(root, jobs)
+    with tempfile.TemporaryDirectory(prefix="intake-prelude-") as tmp:
+        builds = []
+        for n, group in enumerate(groups):
+            header = os.path.join(tmp, f"prelude{n}.h")
+            Path(header).write_text(group.text())
+            builds.append((header, os.path.join(tmp, f"prelude{n}.pch"), list(group.args), str(root)))
+        built = _pool_map(_prelude_job, builds, workers, lambda b: os.path.getsize(b[0]))
+        use: dict[int, dict[str, Any]] = {}
+        for group, build, result in zip(groups, builds, built):
+            if result["ok"]:
+                for i in group.units:
+                    use[i] = {"pch": build[1], "graph": result["graph"]}
+        full = [(*job, use.get(i)) for i, job in enumerate(jobs)]
+
+        def size(job: tuple[str, list[str], str, str, dict[str, Any] | None]) -> int:
+            # A unit without a prelude parses every header itself: start those first.
+            own = os.path.getsize(job[0]) if os.path.exists(job[0]) else 0
+            return own + (0 if job[4] else 1 << 40)
+
+        return _pool_map(_parse_job, full, workers, size), sum(1 for r in built if r["ok"])
 
 
 def load_program(
@@ -91,6 +128,9 @@ def load_program(
             if refused:
                 program.refused += refused
                 continue
+            if _cuda_without_toolkit(_rel(root, str(f)), {"flags_source": flags.source}):
+                program.units.append(_unparsed(f, flags))  # screened lexically; a parse would go unread
+                continue
             key = cache.key(str(f), flags)
             facts = cache.get(key)
             if facts is not None:
@@ -98,15 +138,23 @@ def load_program(
             else:
                 jobs.append((str(f), list(flags.args), str(root), flags.source))
                 keys.append(key)
-        for key, facts in zip(keys, _run_jobs(jobs, workers)):
+        results, preludes = _run_jobs(root, jobs, workers)
+        for key, facts in zip(keys, results):
             cache.put(key, facts)
             program.units.append(facts)
         program.parsed += len(jobs)
+        program.preludes += preludes
 
     wave(sorted(set(sources)))
     covered = {d for u in program.units for d in u.get("deps", [])}
     wave(sorted({h for h in headers if os.path.normpath(str(h)) not in covered}))
     return program
+
+
+def _unparsed(main: Path, flags: Flags) -> dict[str, Any]:
+    """The facts of a unit that is not parsed (``_cuda_without_toolkit``): ``judge`` reads its main file only."""
+    return {"main": str(main), "flags_source": flags.source, "errors": [], "files": {}, "functions": {},
+            "overrides": [], "state": {}, "functional": False, "deps": [str(main)]}  # fmt: skip
 
 
 def _search_dirs(args: tuple[str, ...]) -> list[str]:
@@ -417,6 +465,11 @@ def _label(ident: str, functions: dict[str, dict[str, Any]]) -> str:
 _PY_OBJECT_RE = re.compile(r"\bpybind11::(function|object|handle)\b|\b_object \*|PyObject \*")
 
 
+def _shown_type(spelling: str) -> str:
+    """A canonical type as the code spells it: CPython's ``_object *`` is ``PyObject *``."""
+    return re.sub(r"\b_object \*", "PyObject *", spelling)
+
+
 def _python_callable_param(params: list[str], functional: bool) -> str | None:
     """The first parameter type that carries a Python callable into native code, else None.
 
@@ -482,7 +535,8 @@ def _per_step(
     if not readers:
         return findings
     for rel, b, functional in bindings:
-        stored: list[tuple[str, str]] = [(usr, "def_readwrite") for usr in b["field_writes"] if usr in readers]
+        writer_of_field = "def_readwrite" if b["method"].startswith("def_readwrite") else b["method"]
+        stored = [(usr, writer_of_field) for usr in b["field_writes"] if usr in readers]
         param = _python_callable_param(b["params"], functional)
         if param:
             closure = _reach(b["callables"], functions, overriders)
@@ -499,7 +553,7 @@ def _per_step(
             info = state.get(usr, {"name": usr, "path": "?", "line": 0})
             reader, entry_rel, entry = readers[usr]
             rnode = functions.get(reader, {"name": reader, "path": "?", "line": 0})
-            how = f"takes `{param}` and " if param else ""
+            how = f"takes `{_shown_type(param)}` and " if param else ""
             findings.append(
                 Finding(
                     "per-step-python-callback",

@@ -42,6 +42,7 @@ class Result:
     baselined: int
     parsed: int = 0  # translation units parsed (not from the cache)
     cached: int = 0
+    preludes: int = 0  # shared preludes built (intake/prelude.py)
 
 
 def _rel(root: Path, path: Path) -> str:
@@ -138,6 +139,7 @@ def _finish(
         allowed,
         parsed=program.parsed if program else 0,
         cached=cache.hits if cache else 0,
+        preludes=program.preludes if program else 0,
     )
 
 

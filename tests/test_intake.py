@@ -107,8 +107,48 @@ def test_corpus_has_every_rule_and_accepted_files() -> None:
     assert rules == {"python-in-engine", "python-import-from-cpp", "per-step-python-callback", "parse-error",
                      "request-path-python-call"}
     accepted = [rel for rel in CASES if not expected(rel)]
-    assert {"bindings/modules/gil_release.cpp", "engine/src/clean.cpp", "engine/src/transitive.cpp",
-            "engine/src/cuda/clean_kernel.cu"} <= set(accepted)
+    assert {"bindings/modules/gil_release.cpp", "bindings/modules/c_api_module_ok.cpp", "engine/src/clean.cpp",
+            "engine/src/transitive.cpp", "engine/src/cuda/clean_kernel.cu"} <= set(accepted)
+
+
+def test_the_corpus_is_parsed_against_shared_preludes(scan: dict) -> None:
+    """The findings above come from units parsed against the shared preludes (intake/prelude.py): one for the
+    engine's flags, one for the bindings' (c_api_module*.cpp, which define PY_SSIZE_T_CLEAN first, get their own)."""
+    assert scan["summary"]["preludes"] == 3
+
+
+def plan_of(root: Path, files: dict[str, str], main: str) -> tuple[tuple[str, ...], list[str]] | None:
+    from intake import prelude
+
+    """The prelude plan of ``main`` in a tree under ``root``/project; ``third/`` files lie outside it (third-party)."""
+    project = root / "project"
+    for rel, text in files.items():
+        path = (root if rel.startswith("third/") else project) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    flags = ("-I", str(project / "include"), "-isystem", str(root / "third"))
+    return prelude.Planner(project).unit(project / main, flags)
+
+
+def test_a_prelude_holds_the_third_party_includes_and_the_macros_before_them(tmp_path: Path) -> None:
+    tree = {
+        "third/big.h": "int big();\n",
+        "third/cond.h": "int cond();\n",
+        "include/proj.h": "#ifndef PROJ_H\n#define PROJ_H\n#include <big.h>\n#define OWN_MACRO 1\n#endif\n",
+        "src/a.cpp": '#define PY_SSIZE_T_CLEAN\n#include "proj.h"\n#include <vector>\n#if X\n#include <cond.h>\n#endif\n',
+    }
+    # <vector> is found in none of the flags' folders and <cond.h> is conditional: both stay in the unit.
+    assert plan_of(tmp_path, tree, "src/a.cpp") == (("#define PY_SSIZE_T_CLEAN",), ["<big.h>"])
+
+
+def test_a_unit_a_lexical_read_cannot_follow_gets_no_prelude(tmp_path: Path) -> None:
+    third = {"third/big.h": "int big();\n"}
+    macro = {**third, "src/m.cpp": "#define H <big.h>\n#include H\n"}
+    assert plan_of(tmp_path / "m", macro, "src/m.cpp") is None
+    conditional_define = {**third, "src/d.cpp": "#ifdef Y\n#define Z 1\n#endif\n#include <big.h>\n"}
+    assert plan_of(tmp_path / "d", conditional_define, "src/d.cpp") is None
+    conditional_project = {**third, "include/p.h": "#include <big.h>\n", "src/p.cpp": '#if Y\n#include "p.h"\n#endif\n'}
+    assert plan_of(tmp_path / "p", conditional_project, "src/p.cpp") is None
 
 
 def test_json_report_shape(scan: dict) -> None:
@@ -147,6 +187,15 @@ def test_messages_name_the_call_and_the_way_out(scan: dict) -> None:
     assert "corpus_trampoline::Policy::score -> corpus_trampoline::PyPolicy::score" in trampoline
     store = message("bindings/modules/per_step_store.cpp", '"set_hook"')
     assert "binding 'set_hook' takes `std::function<void (int)>`" in store and "corpus_store::Engine::hook_" in store
+    kept = message("bindings/modules/c_api_module.cpp", '{"set_on_step"')
+    assert kept.startswith("binding 'set_on_step' takes `PyObject *` and stores a Python callable into "
+                           "`corpus_c_api_module::Engine::on_step`")
+    assert "reached from binding 'forward' at bindings/modules/c_api_module.cpp:" in kept
+    member = message("bindings/modules/c_api_module.cpp", '{"progress"')
+    assert "`corpus_c_api_module::Engine::progress`" in member and "written by PyMemberDef" in member
+    called = message("bindings/modules/c_api_module.cpp", "PyObject_CallObject(")
+    assert called.startswith("`PyObject_CallObject(e->on_step,args)` calls PyObject_CallObject: a Python call on the "
+                             "per-step path: binding 'forward'")
     broken = message("bindings/modules/broken.cpp", "broken(")
     assert "compile_commands.json entry of bindings/modules/broken.cpp" in broken
 

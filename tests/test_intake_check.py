@@ -210,6 +210,47 @@ def test_a_new_binding_makes_an_unchanged_python_call_per_step(repo: Path, cache
     assert "binding 'forward' (bindings/modules/mod.cpp:5)" in report["findings"][0]["message"]
 
 
+C_API_MODULE = """#include <Python.h>
+
+static PyObject* hook = nullptr;
+
+static PyObject* set_hook(PyObject*, PyObject* fn) {
+  Py_XINCREF(fn);
+  Py_XDECREF(hook);
+  hook = fn;
+  Py_RETURN_NONE;
+}
+
+static PyObject* step(PyObject*, PyObject* args) { return %s; }
+
+static PyMethodDef methods[] = {
+    {"set_hook", set_hook, METH_O, nullptr},
+    {"%s", step, METH_VARARGS, nullptr},
+    {nullptr, nullptr, 0, nullptr}};
+"""
+
+
+def test_a_new_c_api_module_that_keeps_a_python_object_for_forward_is_rejected(repo: Path, cache: Path) -> None:
+    """A module on CPython's C API alone (no pybind11): its PyMethodDef entries are bindings, so a method named
+    forward that calls a kept object, and the method that keeps it, are what a pybind11 module's would be."""
+    write(repo, {"bindings/modules/hooks.cpp": C_API_MODULE % ("PyObject_CallObject(hook, args)", "forward")})
+    status, report, stderr = check(repo, cache)
+    assert (status, found(report)) == (1, [("per-step-python-callback", "bindings/modules/hooks.cpp", 12),
+                                           ("per-step-python-callback", "bindings/modules/hooks.cpp", 15)]), stderr
+    call, store = report["findings"]
+    assert "binding 'forward' (bindings/modules/hooks.cpp:16)" in call["message"]
+    assert store["message"].startswith("binding 'set_hook' takes `PyObject *` and stores a Python callable into `hook`")
+
+
+def test_its_benign_twins_are_accepted(repo: Path, cache: Path) -> None:
+    """The same module when the kept object is called by a method that is not per-step, or when forward reads only
+    its arguments."""
+    write(repo, {"bindings/modules/hooks.cpp": C_API_MODULE % ("PyObject_CallObject(hook, args)", "configure"),
+                 "bindings/modules/steps.cpp": C_API_MODULE % ("PyLong_FromSsize_t(PyTuple_Size(args))", "forward")})
+    status, report, stderr = check(repo, cache)
+    assert (status, report["findings"]) == (0, []), stderr
+
+
 # --------------------------------------------------------------------------------------------------------- baseline
 
 ENTRY = """
