@@ -1,4 +1,4 @@
-"""The fast CPU kernel (engine/src/cpu/attend_kernel.cpp) against the ATen tile path, under the contract of
+"""The fast CPU kernel (engine/src/cpu/) against the ATen tile path, under the contract of
 docs/parity.md: same admission, transfers and telemetry; outputs within the per-dtype tolerance below; bit-identical
 run to run, across thread counts; every CPU capability within the same tolerance."""
 
@@ -118,7 +118,7 @@ SELECTING_CELLS = [c for c in random.Random(0).sample(compressed_cells(), 48) if
 
 @pytest.mark.parametrize("cell", SELECTING_CELLS, ids=[c.id for c in SELECTING_CELLS])
 def test_native_selection_picks_the_same_blocks_as_the_aten_path(cell: Cell) -> None:
-    """With kernel 'native' the Quest bound is scored by the CPU kernel (engine/src/cpu/attend_kernel.cpp
+    """With kernel 'native' the Quest bound is scored by the CPU kernel (engine/src/cpu/quest_scores.cpp
     quest_scores), with 'aten' by the matmuls the reference repeats: on the parity cells (tests/test_parity.py's
     compressed subset, those that select) every step's blocks per KV head are identical."""
     sel_native: list = []
@@ -162,7 +162,7 @@ def run_many_selecting_rows(kernel: str, threads: int) -> tuple[torch.Tensor, di
 
 def test_many_selecting_rows_choose_as_row_by_row() -> None:
     """With at least two compressed decode rows per thread the native path chooses all rows' blocks in one parallel
-    region, a row per task (engine.cpp plan_rows); the ATen path chooses row by row. Same blocks per row and KV head,
+    region, a row per task (selection.cpp select_rows); the ATen path chooses row by row. Same blocks per row and KV head,
     same counters, outputs within tolerance, and the native output bit-identical for 1 and 2 threads."""
     native2, sel_native, snap_native = run_many_selecting_rows("native", 2)
     native1, sel_native1, _ = run_many_selecting_rows("native", 1)

@@ -1,4 +1,4 @@
-"""Compressed-mode block selection (activekv._admission.select_blocks, engine/src/admission.cpp): Quest's bound,
+"""Compressed-mode block selection (activekv._admission.select_blocks, engine/src/selection.cpp): Quest's bound,
 GQA combination, tie-breaking, the planted-needle recall, bit-for-bit agreement with the reference, and the native
 scoring path (the CPU kernel, used with kernel 'native') against the ATen one."""
 

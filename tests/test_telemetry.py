@@ -56,7 +56,8 @@ def expected_counters(seq_len: int = 3 * BLOCK_SIZE - 1, padding: int = 2) -> di
     counts = dict.fromkeys(telemetry.COUNTERS, 0)
     counts.update(build_calls=1, kv_update_calls=1, forward_calls=1, request_rows=1, tokens_written=seq_len,
                   padding_slots=padding, blocks_admitted=nb, bytes_h2d=nb * INFO["bytes_per_block"],
-                  tiles_computed=(nb + TILE_BLOCKS - 1) // TILE_BLOCKS)
+                  tiles_computed=(nb + TILE_BLOCKS - 1) // TILE_BLOCKS, planned_blocks=nb,
+                  planned_tiles=(nb + TILE_BLOCKS - 1) // TILE_BLOCKS)
     return counts
 
 

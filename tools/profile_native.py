@@ -25,7 +25,7 @@ from pathlib import Path
 
 # (group, pattern on "dso symbol"): first match wins; order matters (engine symbols before the dso fallbacks).
 GROUPS: tuple[tuple[str, str], ...] = (
-    ("kernel", r"cpu_kernel::|attend_blocks|forward_native|attend_tile"),
+    ("kernel", r"cpu_kernel::|attend_blocks|CpuPath|attend_tile"),
     ("admission", r"admit_tile|release_tile|lru_|exact_tiles|select_blocks|quest_scores|reset_page_table|"
                   r"attend_selected"),
     ("transfer", r"copy_blocks"),

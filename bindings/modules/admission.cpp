@@ -1,5 +1,6 @@
 // activekv._admission: which blocks enter the active pool and which leave it (engine/include/activekv/admission.h).
 #include <activekv/admission.h>
+#include <activekv/selection.h>
 #include <activekv/check.h>
 #include <activekv_py/common.h>
 

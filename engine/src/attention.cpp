@@ -1,3 +1,5 @@
+// Tiled attention with ATen ops (attention.h): grouped queries, causal tile masks, the online softmax's tile fold and
+// finish, tile gathers, and tiled_attention over a block-layout KV.
 #include <activekv/attention.h>
 #include <activekv/check.h>
 #include <activekv/geometry.h>

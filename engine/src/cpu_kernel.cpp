@@ -1,3 +1,5 @@
+// The CPU kernel's run-time dispatch (cpu_kernel.h): the processor's best capability, capped by ATEN_CPU_CAPABILITY,
+// picks which build of the kernel (engine/src/cpu/, compiled per capability) every call runs.
 #include <activekv/check.h>
 #include <activekv/cpu_kernel.h>
 

@@ -1,3 +1,5 @@
+// Geometry (geometry.h): the supported shapes, the geometry's checks and arithmetic (slots, blocks, bytes, cache
+// shapes), and viewing vLLM's per-layer KV cache in ActiveKV's block layout.
 #include <activekv/check.h>
 #include <activekv/geometry.h>
 

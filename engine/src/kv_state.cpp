@@ -1,9 +1,9 @@
-#include <activekv/admission.h>
+// Key-value state (kv_state.h): the layers' pools, page tables and key metadata, host-tier binding, and the KV update.
 #include <activekv/check.h>
-
-#include <c10/util/StringUtil.h>
 #include <activekv/kv_state.h>
 #include <activekv/transfer.h>
+
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cmath>
@@ -67,6 +67,19 @@ void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at
 }
 }  // namespace
 
+void reset_page_table(LayerState& layer) {
+  const auto pool = static_cast<int64_t>(layer.block_of_slot.size());
+  std::fill(layer.slot_of_block.begin(), layer.slot_of_block.end(), -1);
+  std::fill(layer.block_of_slot.begin(), layer.block_of_slot.end(), -1);
+  layer.last_use.assign(pool, 0);
+  layer.pins.assign(pool, 0);
+  layer.lru_prev.assign(pool, -1);
+  layer.lru_next.assign(pool, -1);
+  layer.lru_head = layer.lru_tail = -1;
+  layer.next_free = 0;
+  layer.pinned_slots = 0;
+}
+
 KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device)
     : g_(g), pool_blocks_(pool_blocks), device_(device) {
   AKV_CHECK_VALUE(pool_blocks >= 1, "pool_blocks must be >= 1, got ", pool_blocks);
@@ -115,8 +128,12 @@ at::Tensor KVState::host_view(const at::Tensor& kv_cache) const {
 }
 
 void KVState::check_bindable(int64_t index, const at::Tensor& host) const {
-  layer(index);  // index check
+  const auto& bound = layer(index).host;  // index check
   check_in_storage(host, "kv_cache");
+  // The view bound already: nothing can overlap it that was not refused when it or the other layer was bound.
+  if (bound.defined() && bound.data_ptr() == host.data_ptr() && bound.sizes() == host.sizes() &&
+      bound.strides() == host.strides() && bound.storage().is_alias_of(host.storage()))
+    return;
   for (int64_t i = 0; i < g_.num_layers; ++i) {
     if (i == index || !layers_[i].host.defined()) continue;
     // Each layer keeps its own pool copies and key metadata of its host tier: a second layer on the same memory

@@ -378,6 +378,8 @@ const char* counter_name(Counter c) {
     case Counter::kCompressedContextBlocks: return "compressed_context_blocks";
     case Counter::kSelectedBlocks: return "selected_blocks";
     case Counter::kUnionBlocks: return "union_blocks";
+    case Counter::kPlannedBlocks: return "planned_blocks";
+    case Counter::kPlannedTiles: return "planned_tiles";
     case Counter::kCount: break;
   }
   return "unknown";

@@ -1,3 +1,5 @@
+// Transfers (transfer.h): batched block copies between the host tier and the pool (plain, mapped and staged) and
+// the index tensors they take.
 #include <activekv/check.h>
 #include <activekv/geometry.h>
 #include <activekv/transfer.h>

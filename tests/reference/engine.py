@@ -31,6 +31,8 @@ COUNTERS = (
     "compressed_context_blocks",
     "selected_blocks",
     "union_blocks",
+    "planned_blocks",
+    "planned_tiles",
 )
 
 
@@ -249,6 +251,17 @@ class RefEngine:
         n = seq_lens.shape[0] if num_reqs is None else num_reqs
         self.counters["build_calls"] += 1
         self.counters["request_rows"] += n
+        # step_plan.cpp plan_step: the block ids of every row with query tokens, and the exact tiles of the rows that
+        # do not select, planned once per step.
+        qsl, sl = query_start_loc[: n + 1].tolist(), seq_lens[:n].tolist()
+        per_head = self.sink_blocks + self.top_k + self.recent_blocks
+        for r in range(n):
+            lq, nb = qsl[r + 1] - qsl[r], self.blocks_for(sl[r])
+            if lq == 0:
+                continue
+            self.counters["planned_blocks"] += nb
+            if not (self.mode == "compressed" and lq == 1 and nb > per_head):
+                self.counters["planned_tiles"] += -(-nb // self.tile_blocks)
         return RefPlan(query_start_loc[: n + 1].to(torch.int32).clone(), seq_lens[:n].to(torch.int32).clone(),
                        block_table[:n].to(torch.int32).clone(), n, num_actual_tokens)
 

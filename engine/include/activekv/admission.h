@@ -1,24 +1,12 @@
 #pragma once
 /// @file admission.h
-/// @brief Admission policy: which blocks enter the active pool, and which leave it.
+/// @brief Admission policy: which blocks enter a layer's active pool, and which leave it (the page table's storage
+///        and its reset are kv_state.h's; which blocks a compressed-mode row asks for is selection.h's).
 ///
-/// Exact mode: every block of a request row's context, in order, one tile at a time; a resident block is a hit, a
-/// missing one takes a free slot (lowest index first) or evicts the least recently used unpinned block (ties: lowest
-/// slot). The blocks of the tile being computed are pinned until the tile is released, so a pool of at least one tile
-/// can stream a context of any length.
-///
-/// Compressed mode (decode rows whose context exceeds the budget): per KV head, the first `sink_blocks` blocks, the
-/// last `recent_blocks` blocks and the top `k` of the others by a query-aware upper bound of q.k, where
-/// k = floor(budget_tokens / block_size) - sink_blocks - recent_blocks. The bound is Quest's page-criticality estimate
-/// (Tang et al., "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference", ICML 2024): for each
-/// dimension the larger of q_d * min_d and q_d * max_d, summed, i.e. relu(q) . max + min(q, 0) . min, computed as two
-/// batched matmuls (or, with the native kernel on CPU, by the fused kernel of cpu_kernel.h reading the metadata in place).
-/// GQA: a KV head scores a block by the maximum of its query heads' bounds. Ties break by lowest block index: the
-/// chosen set is the one a stable descending sort would take first, found with one partial top-k (`at::topk`) for the
-/// k-th score, then every block above it and the lowest-positioned blocks equal to it (the native path: one
-/// std::nth_element on (score, position) pairs, the same set). The pool admits the union of
-/// the heads' blocks; each head attends only to its own. Prefill rows and rows within the budget run exactly as exact
-/// mode.
+/// A unit (an exact-mode tile of a request row's context, or the union of a compressed decode row's selections) is
+/// admitted whole: a resident block is a hit, a missing one takes a free slot (lowest index first) or evicts the least
+/// recently used unpinned block (ties: lowest slot). The blocks of the units being computed are pinned until they are
+/// released, so a pool of at least one tile can stream a context of any length.
 #include <activekv/kv_state.h>
 
 #include <cstdint>
@@ -52,49 +40,10 @@ std::vector<std::vector<int64_t>> exact_tiles(const int32_t* block_row, int64_t 
 /// @param clock admission clock, advanced once per block touched (LRU order).
 /// @throws c10::ValueError when the tile is larger than the pool minus the slots pinned already.
 TileAdmission admit_tile(LayerState& layer, const std::vector<int64_t>& blocks, uint64_t& clock);
+/// The same for n block ids at `blocks`.
+TileAdmission admit_tile(LayerState& layer, const int64_t* blocks, int64_t n, uint64_t& clock);
 
 /// Unpin the slots of a tile admitted by admit_tile.
 void release_tile(LayerState& layer, const std::vector<int64_t>& slots);
-
-/// Empty a layer's page table: every pool slot free, nothing resident or pinned, LRU clock entries 0. Sizes come from
-/// block_of_slot (pool) and slot_of_block (host blocks), which must be sized already.
-void reset_page_table(LayerState& layer);
-
-/// Compressed-mode selection parameters, validated by the engine's configuration.
-struct Selection {
-  int64_t sink_blocks = 1;    ///< first blocks of every context, always attended
-  int64_t recent_blocks = 2;  ///< last blocks of every context (the query's own block among them), always attended
-  int64_t top_k = 1;          ///< blocks chosen per KV head from the rest by the Quest bound
-  /// Blocks a selecting row attends per KV head.
-  int64_t per_head() const { return sink_blocks + top_k + recent_blocks; }
-};
-
-/// Select the blocks of one decode row, per KV head.
-/// @param q [1, num_heads, head_size] the row's query (any float dtype; scored in float32)
-/// @param key_min, key_max [host_blocks, num_kv_heads, head_size] per-block key metadata of the layer, float32,
-///        bfloat16 or float16 (both the same; the engine keeps it in the KV dtype), widened exactly to float32
-/// @param row_blocks [num_blocks] int64 the row's block ids in position order, num_blocks > sel.per_head()
-/// @param native_scores score with the CPU kernel (quest_scores_native; key metadata on CPU, contiguous) and take
-///        the top k per head with std::nth_element (the set top_blocks takes), instead of the ATen ops the reference
-///        repeats (quest_scores, top_blocks)
-/// @return [num_kv_heads, sel.per_head()] int64 block positions (indices into row_blocks), ascending per head
-/// @throws c10::ValueError if num_blocks <= sel.per_head()
-at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
-                         const at::Tensor& row_blocks, const Selection& sel, bool native_scores = false);
-
-/// Quest bound of candidate blocks with ATen ops: [num_kv_heads, C] float32 for q [1, num_heads, head_size] and
-/// ids [C] int64 block ids (rows of key_min / key_max). The bit-exact path the reference repeats.
-at::Tensor quest_scores(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
-                        const at::Tensor& ids);
-
-/// The same bound computed by the CPU kernel (cpu_kernel.h QuestArgs), reading key_min / key_max in place: equal to
-/// quest_scores within float32 rounding (a different summation order). CPU, contiguous metadata of one of the dtypes
-/// select_blocks takes.
-at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
-                               const at::Tensor& ids);
-
-/// Positions of the k highest scores per row of score [num_kv_heads, C], ties by lowest position, ascending:
-/// [num_kv_heads, k] int64. NaN ranks as +inf.
-at::Tensor top_blocks(const at::Tensor& score, int64_t k);
 
 }  // namespace activekv

@@ -55,7 +55,7 @@ void attend_blocks_cpu(const AttendArgs& args);
 /// Compressed mode's native scoring: the Quest bound (Tang et al., ICML 2024) of a decode row's candidate blocks for
 /// every KV head, read in place from the layer's key metadata (no gather copy), the blocks split over ATen's threads.
 /// score[h, c] = max over the GQA group's query heads i of sum_d (relu(q_i,d) * max_d + min(q_i,d, 0) * min_d), the
-/// same bound as the ATen path (admission.cpp quest_scores) summed in a different order (vectorised fused
+/// same bound as the ATen path (selection.cpp quest_scores) summed in a different order (vectorised fused
 /// multiply-adds): equal to it within float32 rounding, identical run to run and for any thread count.
 struct QuestArgs {
   int64_t num_kv_heads = 0;
@@ -95,7 +95,8 @@ bool cpu_kernel_has_amx();
 int64_t parallel_for_threads(int64_t n);
 
 namespace cpu_kernel {
-// One definition per capability (engine/src/cpu/attend_kernel.cpp compiled three times).
+// One definition per capability (engine/src/cpu/attend_avx.cpp, attend_amx.cpp and quest_scores.cpp compiled three
+// times).
 namespace DEFAULT { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); bool has_amx(); }
 namespace AVX2 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); bool has_amx(); }
 namespace AVX512 { void attend_blocks(const AttendArgs& args); void quest_scores(const QuestArgs& args, int64_t begin, int64_t end); bool uses_bf16_query(int64_t head_size); bool has_amx(); }

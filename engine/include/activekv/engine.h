@@ -1,11 +1,19 @@
 #pragma once
 /// @file engine.h
-/// @brief The engine: geometry + KV state + admission + transfers + tiled attention + telemetry, composed into the
-///        three per-step entry points vLLM reaches (build, KV update, forward).
+/// @brief The engine: its configuration and the three per-step entry points vLLM reaches (build, KV update, forward),
+///        composed from the parts: the step plan (step_plan.h), KV state (kv_state.h), admission (admission.h),
+///        compressed selection (selection.h), transfers (transfer.h), the forward path chosen once per engine (the
+///        ATen tile path of attention.h, or the device's kernel: cpu_kernel.h, cuda_kernel.h) and telemetry.
+///
+/// A step: build checks vLLM's metadata and plans everything that is the same for every layer (StepPlan); each layer's
+/// KV update writes the new tokens; each layer's forward checks its inputs, selects (compressed mode), admits units of
+/// blocks into the layer's pool round by round and has its path compute them.
 #include <activekv/admission.h>
 #include <activekv/attention.h>
 #include <activekv/geometry.h>
 #include <activekv/kv_state.h>
+#include <activekv/selection.h>
+#include <activekv/step_plan.h>
 #include <activekv/telemetry.h>
 #include <activekv/transfer.h>
 
@@ -46,7 +54,7 @@ struct EngineConfig {
   Mode mode = Mode::kExact;
   Kernel kernel = Kernel::kNative;  ///< kNative: the device's fast kernel (see Kernel)
   Transfer transfer = Transfer::kMapped;  ///< tiered engines only
-  // Compressed mode only (see admission.h).
+  // Compressed mode only (see selection.h).
   int64_t budget_tokens = 2048;  ///< tokens a selecting decode row attends per KV head
   int64_t sink_blocks = 1;
   int64_t recent_blocks = 2;
@@ -56,15 +64,7 @@ struct EngineConfig {
 /// num_kv_heads * k + sink_blocks + recent_blocks. @throws c10::ValueError if the budget leaves k < 1.
 int64_t worst_case_union_blocks(const EngineConfig& config);
 
-/// One vLLM step's plan, shared by every layer of the step. CPU tensors, copied from vLLM's metadata.
-struct StepPlan {
-  at::Tensor query_start_loc;  ///< [num_reqs + 1] int32, cumulative query tokens per request row
-  at::Tensor seq_lens;         ///< [num_reqs] int32, context length per row (computed + new tokens)
-  at::Tensor block_table;      ///< [num_reqs, max_blocks] int32, vLLM physical block ids per row
-  int64_t num_reqs = 0;
-  int64_t num_actual_tokens = 0;  ///< query tokens that are real (rows past it are padding)
-  int64_t build_id = 0;           ///< build counter value that made this plan
-};
+class ForwardPath;  // forward_path.h (private to the engine)
 
 /// The engine. build, update_kv and forward serialise on a per-engine mutex, so one engine may be driven from several
 /// threads (vLLM drives it from one); distinct instances are independent and run in parallel.
@@ -77,6 +77,7 @@ class Engine {
   ///        it is either that device's memory (resident) or pinned CPU memory (tiered: admitted blocks move
   ///        host-to-device on a copy stream, transfer.h; KV updates write the new tokens back to the host tier).
   Engine(EngineConfig config, at::Device device);
+  ~Engine();
 
   const EngineConfig& config() const { return config_; }
   const Geometry& geometry() const { return config_.geometry; }
@@ -106,7 +107,8 @@ class Engine {
   /// Layer index of a vLLM layer name. @throws c10::ValueError for an unknown name.
   int64_t layer_index(const std::string& name) const;
 
-  /// Plan a step.
+  /// Plan a step (step_plan.h plan_step): its metadata checked, its rows, block ids and admission units planned, and
+  /// the admission rounds of the engine's path where they do not depend on a layer.
   /// @param query_start_loc [>= num_reqs + 1] integer, CPU, non-decreasing from 0
   /// @param seq_lens [>= num_reqs] integer, CPU
   /// @param block_table [>= num_reqs, max_blocks] integer, CPU
@@ -121,7 +123,8 @@ class Engine {
   void update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
                  const at::Tensor& slot_mapping);
 
-  /// Attention of one layer for a planned step, written into `output`.
+  /// Attention of one layer for a planned step, written into `output`. The plan's block ids are checked against
+  /// kv_cache's block count (one comparison: check_plan_blocks) before anything changes.
   /// @param query [>= num_actual_tokens, num_heads, head_size], geometry dtype
   /// @param output [>= num_actual_tokens, num_heads, head_size] (or [.., num_heads * head_size]), query dtype;
   ///        rows of real tokens are overwritten, padding rows untouched
@@ -136,58 +139,10 @@ class Engine {
 
  private:
   void check_layer(int64_t layer) const;
-  /// Compressed mode's selection of one decode row: [KVH, m] block positions (on the engine's device and on CPU),
-  /// the union of the heads' blocks in position order; records the row's selection and the compressed counters.
-  struct RowSelection {
-    at::Tensor pos, pos_cpu;
-    std::vector<int64_t> union_pos, union_blocks;
-    /// Pool slot of every (head, selected block), [KVH * m], given the union's slots (in union order).
-    std::vector<int64_t> head_slots(const std::vector<int64_t>& union_slots, int64_t kvh) const;
-  };
-  /// The scoring half of a row's selection: the row's block ids (CPU int64 [nb]) and the chosen [KVH, m] positions
-  /// (on the engine's device). Reads the layer's key metadata only, records nothing: plan_rows may run it for several
-  /// rows at once (one row per task).
-  struct RowChoice {
-    at::Tensor row_blocks, pos;
-  };
-  RowChoice choose_row(const LayerState& L, const int32_t* row, int64_t nb, const at::Tensor& q) const;
-  /// The recording half: the union, the layer's last selection and the compressed counters of request row r.
-  RowSelection select_row(LayerState& L, const int32_t* row, int64_t r, const RowChoice& choice);
-  /// A request row of a forward that has query tokens, planned once for every kernel path (plan_rows): its query per
-  /// KV head, its online-softmax state and its admission units in the order they are admitted (an exact row: its
-  /// tiles of tile_blocks blocks; a compressed decode row: one unit, the union of its heads' selections).
-  struct RowWork {
-    int64_t q0 = 0, lq = 0, seq = 0;
-    at::Tensor qg;  ///< [KVH, G * lq, D] float32 from group_query (contiguous where a kernel reads it by pointer);
-                    ///< undefined with the CPU kernel (forward_native)
-    OnlineSoftmax st;  ///< likewise
-    std::optional<RowSelection> sel;          ///< compressed decode rows only
-    std::vector<std::vector<int64_t>> tiles;  ///< exact rows: block ids of each tile; empty for a compressed row
-    size_t num_units() const { return sel ? 1 : tiles.size(); }
-    /// Block ids of admission unit u < num_units(): the selection's union (compressed row), else tile u.
-    const std::vector<int64_t>& unit(size_t u) const { return sel ? sel->union_blocks : tiles[u]; }
-  };
-  std::vector<RowWork> plan_rows(LayerState& L, const StepPlan& plan, const at::Tensor& query);
   /// Admit one unit's blocks: admit_tile, the slots appended to `pinned` (the caller's pins, released even if the copy
   /// throws), the missing blocks copied from the host tier, the admission counters added. @return the unit's slots
-  std::vector<int64_t> admit_unit(LayerState& L, const at::Tensor& host, const std::vector<int64_t>& blocks,
+  std::vector<int64_t> admit_unit(LayerState& L, const at::Tensor& host, UnitBlocks blocks,
                                   std::vector<int64_t>& pinned);
-  /// The ATen / CUDA paths' compute of one admitted unit: exact tile `tile` of the row, or the row's selection.
-  void attend_tile(LayerState& L, RowWork& w, int64_t tile, const std::vector<int64_t>& slots, double scale);
-  void attend_selected(LayerState& L, RowWork& w, const std::vector<int64_t>& union_slots, double scale);
-  /// Every row of a forward with the CPU kernel (engine.cpp): admission units in request order while they fit the
-  /// pool together, one kernel call (one parallel region) per round over all (row, KV head) tasks.
-  /// The rows' grouped queries and online-softmax state live in buffers of its own (RowWork::qg / st stay undefined),
-  /// and it writes every row's output into out3 [tokens, heads, D] itself.
-  void forward_native(LayerState& L, const at::Tensor& host, const at::Tensor& query, std::vector<RowWork>& rows,
-                      const at::Tensor& out3, double scale);
-  /// The CUDA kernel (cuda_kernel.h) for a tile: slots[h * n + j] is the pool slot of head h's j-th block, at row
-  /// position pos[h * n + j].
-  void cuda_tile(LayerState& L, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos, int64_t n,
-                 int64_t first_query_pos, int64_t lq, const at::Tensor& qg, OnlineSoftmax& st, double scale);
-  bool use_native() const { return config_.kernel == Kernel::kNative && device_.is_cpu(); }
-  /// kNative on CUDA: the CUDA kernel when it is built and supports the head size and rows (G * query tokens).
-  bool use_cuda_kernel(int64_t rows) const;
 
   EngineConfig config_;
   at::Device device_;
@@ -197,6 +152,8 @@ class Engine {
   uint64_t clock_ = 0;
   std::unordered_map<std::string, int64_t> layer_names_;
   std::optional<c10::Stream> copy_stream_;  ///< CUDA pool only: host-to-device copies of a pinned host tier
+  std::unique_ptr<ForwardPath> path_;        ///< chosen at construction (forward_path.h make_forward_path)
+  int64_t resident_blocks_ = 0;              ///< occupied pool slots summed over layers (the gauge), kept by deltas
   mutable std::mutex mu_;
 };
 

@@ -1,7 +1,8 @@
 #pragma once
 /// @file kv_state.h
 /// @brief Key-value state: the host tier (vLLM's per-layer KV cache, referenced), the active pool (engine-owned),
-///        the page table keyed by vLLM's physical block id, and per-block key metadata.
+///        the page table keyed by vLLM's physical block id (its storage and its reset; the policy that fills it and
+///        evicts from it is admission.h's), per-block key metadata, and the KV update that writes them.
 ///
 /// Coherence rule: every KV update writes the host tier and writes through to the pool copy of a resident block, so
 /// a block that vLLM frees and reuses for another request is never read stale from the pool.
@@ -29,7 +30,7 @@ struct LayerState {
   std::vector<int64_t> block_of_slot;  ///< [pool_blocks] block held by the slot, -1 if free
   std::vector<uint64_t> last_use;      ///< [pool_blocks] admission clock at the slot's last use (LRU)
   std::vector<int32_t> pins;           ///< [pool_blocks] >0 while the current tile uses the slot
-  // Indexes over the vectors above, kept in step by admission.h (admit_tile, release_tile, reset_page_table), so
+  // Indexes over the vectors above, kept in step by admission.h (admit_tile, release_tile) and reset_page_table, so
   // admitting a block costs O(1) instead of a scan of the pool:
   int64_t next_free = 0;          ///< slots [next_free, pool_blocks) are free (a slot is freed only by a reset)
   int64_t pinned_slots = 0;       ///< slots with pins > 0
@@ -40,6 +41,10 @@ struct LayerState {
   /// Compressed mode, last forward: (request row, [num_kv_heads, per_head] int64 block ids each head attended).
   std::vector<std::pair<int64_t, at::Tensor>> last_selection;
 };
+
+/// Empty a layer's page table: every pool slot free, nothing resident or pinned, LRU clock entries 0. Sizes come from
+/// block_of_slot (pool) and slot_of_block (host blocks), which must be sized already.
+void reset_page_table(LayerState& layer);
 
 /// The two tiers of every layer.
 class KVState {
@@ -63,6 +68,8 @@ class KVState {
   /// @throws c10::ValueError (before anything changes) if the memory overlaps another layer's bound host tier.
   void bind_host(int64_t layer, const at::Tensor& host, Telemetry& t);
   /// The checks of bind_host alone, for callers that validate everything before changing anything. Changes nothing.
+  /// O(1) when `host` is the view bound already (its overlaps were checked when it was bound, and every layer bound
+  /// since checked itself against it); O(layers) otherwise.
   void check_bindable(int64_t layer, const at::Tensor& host) const;
 
   /// Write new K/V at their slots: host tier, write-through to resident pool copies, per-block key min/max

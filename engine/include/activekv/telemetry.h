@@ -50,6 +50,8 @@ enum class Counter : int {
   kCompressedContextBlocks,  ///< blocks those rows' contexts held (what exact mode would have attended per head)
   kSelectedBlocks,       ///< blocks attended, summed over those rows and their KV heads
   kUnionBlocks,          ///< blocks admitted for those rows: the union over each row's KV heads
+  kPlannedBlocks,        ///< block ids build checked and planned: the context blocks of every row with query tokens
+  kPlannedTiles,         ///< exact-mode tiles build planned (rows that do not select); once per step, not per layer
   kCount
 };
 

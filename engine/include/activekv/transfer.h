@@ -3,8 +3,8 @@
 /// @brief Host <-> device transfers: batched block copies between the host tier and the active pool.
 ///
 /// One gather (`index_select`) and one scatter (`index_copy_`) per batch of blocks, whatever the block count, so the
-/// cost is two ATen ops rather than one copy per block (one copy per 16 KiB block reaches about 2% of a PCIe/C2C bus:
-/// ../shared/design/GPU_NOTES.md). On CPU these are plain memory copies.
+/// cost is two ATen ops rather than one copy per block (small scattered copies are the transfer problem: one copy per
+/// 16 KiB block reaches about 2% of a PCIe/C2C bus). On CPU these are plain memory copies.
 ///
 /// Tiered (host tier in pinned CPU memory, pool on a CUDA device): copy_blocks_staged gathers the blocks on the CPU
 /// into one pinned staging buffer, copies it host-to-device on a dedicated copy stream, records an event there and

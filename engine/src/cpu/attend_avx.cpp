@@ -1,0 +1,220 @@
+// The CPU attention kernel's vector path (AVX-512, AVX2 and the default build of at::vec::Vectorized): chunks of
+// blocks read in place from the pool, scores, online-softmax merge and P x V per group of query rows, and the kernel's
+// entry points of one capability (attend_blocks, uses_bf16_query, has_amx). Compiled once per CPU capability; bfloat16
+// KV on AMX goes to attend_amx.cpp. See activekv/cpu_kernel.h for the contract.
+#include "kernel_primitives.h"
+
+namespace activekv::cpu_kernel {
+namespace CPU_CAPABILITY {
+
+namespace {
+
+// Bytes of a chunk's V up to which P x V walks the whole chunk once per vector of the head (below L1d's 48 KiB on
+// the processors measured: docs/benchmarks.md).
+constexpr int64_t kChunkVInL1 = 32 * 1024;
+
+// Whether the vector registers (32 with AVX-512, 16 with AVX2) hold the accumulators of 4 query rows times 4 vectors
+// of the head beside 4 vectors of V, for P x V block by block.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kWideRows = true;
+#else
+constexpr bool kWideRows = false;
+#endif
+
+// o[i][u] += sum over t < lim[i] of p[i * nk + t] * v[t, j + u * kW ..], keys in order, for the RB rows and NJ vectors
+// of the head held in registers (one block's V; p: the rows' probabilities of the block's keys, row stride nk). Both
+// loop orders of P x V in chunk_rows accumulate through this.
+template <typename T, int RB, int NJ>
+inline void accumulate_block(const T* v, int64_t d, int64_t j, const float* p, int64_t nk, const int64_t* lim,
+                             Vec (&o)[RB][NJ]) {
+  int64_t vmax = 0, vmin = std::numeric_limits<int64_t>::max();
+  for (int i = 0; i < RB; ++i) {
+    vmax = std::max(vmax, lim[i]);
+    vmin = std::min(vmin, lim[i]);
+  }
+  const auto keys = [&](auto uniform) {  // uniform limits (decode rows, prefill rows past the block): no test per row
+    for (int64_t t = 0; t < vmax; ++t) {
+      Vec vt[NJ];
+      for (int u = 0; u < NJ; ++u) vt[u] = in_register(load_float(v + t * d + j + u * kW));
+      for (int i = 0; i < RB; ++i) {
+        if (!decltype(uniform)::value && t >= lim[i]) continue;
+        const Vec pt(p[i * nk + t]);
+        for (int u = 0; u < NJ; ++u) o[i][u] = at::vec::fmadd(pt, vt[u], o[i][u]);
+      }
+    }
+  };
+  if (vmin == vmax) {
+    keys(std::true_type{});
+  } else {
+    keys(std::false_type{});
+  }
+}
+
+// One chunk (blocks c0 .. c0 + cb - 1 of the args, at most chunk_blocks) for RB query rows r0 .. r0 + RB - 1: the
+// scores of every key of the chunk, then one online-softmax merge per row (running max, rescale of the accumulator,
+// probabilities), then the rows' accumulators walk the chunk's V one vector of the head at a time, the RB rows
+// sharing each load. s: [RB, cb * bs] scratch; valid: [RB, cb] scratch; q_bf16: the args' q rounded to bfloat16
+// (bfloat16 KV on a processor with AVX512-BF16) or null.
+template <typename T, int RB>
+void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* s, int64_t* valid,
+                const at::BFloat16* q_bf16) {
+  const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs;
+  const float scale = static_cast<float>(a.scale);
+  int64_t any = 0;
+  for (int i = 0; i < RB; ++i)
+    for (int64_t c = 0; c < cb; ++c) any += valid[i * cb + c] = valid_keys(a, r0 + i, a.block_pos[c0 + c] * bs);
+  if (any == 0) return;  // a prefill row group before this chunk: nothing to merge
+  // Scores, block by block so the block's K stays in L1 across the rows; keys past a row's limit become -inf. Whole
+  // groups of kW keys go to score_group: every head size with AVX512-BF16 dot products (q_bf16 is given only for head
+  // sizes that are multiples of 16 = kW), else head sizes that are multiples of kW.
+  const bool whole_groups = q_bf16 != nullptr || d % kW == 0;
+  const int64_t k_bytes = bs * d * static_cast<int64_t>(sizeof(T));
+  for (int64_t c = 0; c < cb; ++c) {
+    const T* k = static_cast<const T*>(a.kv[c0 + c]);
+    ask_next_block(a, c0 + c, k_bytes);
+    // Groups of kW keys every row sees, scored for the RB rows together (K loaded once for them) where the rows divide
+    // kW; then each row's other whole groups alone, and its partial group (or every group of a head size off the
+    // vector width without AVX512-BF16) by score_keys.
+    int64_t shared = 0;
+    if constexpr (RB > 1 && kW % RB == 0) {
+      if (whole_groups) {
+        int64_t nmin = bs;
+        for (int i = 0; i < RB; ++i) nmin = std::min(nmin, valid[i * cb + c]);
+        for (; shared + kW <= nmin; shared += kW)
+          score_group<T, RB>(a, q_bf16, r0, k + shared * d, scale, s + c * bs + shared, nk);
+      }
+    }
+    for (int i = 0; i < RB; ++i) {
+      float* si = s + i * nk + c * bs;
+      const int64_t n = valid[i * cb + c];
+      int64_t t = shared;
+      if (whole_groups)
+        for (; t + kW <= n; t += kW) score_group<T, 1>(a, q_bf16, r0 + i, k + t * d, scale, si + t, 0);
+      for (; t < n; t += kW) score_keys(a.q + (r0 + i) * d, k + t * d, d, std::min<int64_t>(kW, n - t), scale, si + t);
+      for (t = n; t < bs; ++t) si[t] = kNegInf;
+    }
+  }
+  float alpha[RB];
+  merge_rows<RB>(a, r0, s, nk, alpha, nullptr, 0);
+  // acc = acc * alpha + sum_t p_t v_t; a row reads only its visible keys' V. Per element the sum is acc * alpha, then
+  // the chunk's keys in order, whichever of the two loop orders runs (the same results from both).
+  float* acc[RB];
+  for (int i = 0; i < RB; ++i) acc[i] = a.acc + (r0 + i) * d;
+  const int64_t dv = d - d % kW;
+  if (cb * bs * d * static_cast<int64_t>(sizeof(T)) > kChunkVInL1) {
+    // The chunk's V outgrows L1 (64-128 KiB at head size 128): block by block, each block's V read once in address
+    // order, the rows' accumulators of one, two or four vectors of the head in registers over the block's keys.
+    for (int i = 0; i < RB; ++i)
+      for (int64_t j = 0; j < dv; j += kW) (Vec::loadu(acc[i] + j) * Vec(alpha[i])).store(acc[i] + j);
+    const auto block = [&](const T* v, int64_t j, const int64_t* lim, int64_t c, auto nj) {
+      constexpr int NJ = decltype(nj)::value;
+      Vec o[RB][NJ];
+      for (int i = 0; i < RB; ++i)
+        for (int u = 0; u < NJ; ++u) o[i][u] = Vec::loadu(acc[i] + j + u * kW);
+      accumulate_block<T, RB, NJ>(v, d, j, s + c * bs, nk, lim, o);
+      for (int i = 0; i < RB; ++i)
+        for (int u = 0; u < NJ; ++u) o[i][u].store(acc[i] + j + u * kW);
+    };
+    for (int64_t c = 0; c < cb; ++c) {
+      const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d;
+      int64_t lim[RB];
+      for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
+      int64_t j = 0;
+      if constexpr (kWideRows) {
+        // With 32 vector registers: four vectors of the head at a time (RB x 4 accumulators and 4 of V), so each
+        // probability's broadcast and each accumulator's load and store serve twice the multiply-adds.
+        for (; j + 4 * kW <= dv; j += 4 * kW) block(v, j, lim, c, std::integral_constant<int, 4>{});
+      }
+      for (; j + 2 * kW <= dv; j += 2 * kW) block(v, j, lim, c, std::integral_constant<int, 2>{});
+      for (; j < dv; j += kW) block(v, j, lim, c, std::integral_constant<int, 1>{});
+    }
+  } else {
+    // The chunk's V fits in L1 (small heads): two vectors of the head at a time (2 x RB independent chains of fused
+    // multiply-adds; one vector's RB chains waited on the adds' latency) over the whole chunk, the accumulators loaded
+    // and stored once per chunk instead of once per block.
+    const auto walk = [&](int64_t j, auto nj) {
+      constexpr int NJ = decltype(nj)::value;
+      Vec o[RB][NJ];
+      for (int i = 0; i < RB; ++i)
+        for (int u = 0; u < NJ; ++u) o[i][u] = Vec::loadu(acc[i] + j + u * kW) * Vec(alpha[i]);
+      for (int64_t c = 0; c < cb; ++c) {
+        int64_t lim[RB];
+        for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
+        accumulate_block<T, RB, NJ>(static_cast<const T*>(a.kv[c0 + c]) + bs * d, d, j, s + c * bs, nk, lim, o);
+      }
+      for (int i = 0; i < RB; ++i)
+        for (int u = 0; u < NJ; ++u) o[i][u].store(acc[i] + j + u * kW);
+    };
+    int64_t j = 0;
+    for (; j + 2 * kW <= dv; j += 2 * kW) walk(j, std::integral_constant<int, 2>{});
+    for (; j < dv; j += kW) walk(j, std::integral_constant<int, 1>{});
+  }
+  for (int64_t j = dv; j < d; ++j) {  // head sizes that are not a multiple of kW
+    for (int i = 0; i < RB; ++i) {
+      float o = acc[i][j] * alpha[i];
+      for (int64_t c = 0; c < cb; ++c) {
+        const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d + j;
+        for (int64_t t = 0; t < valid[i * cb + c]; ++t) o += s[i * nk + c * bs + t] * static_cast<float>(v[t * d]);
+      }
+      acc[i][j] = o;
+    }
+  }
+}
+
+constexpr int kRowBlock = 4;  // query rows sharing each pass over V (a GQA group of 4 in one pass)
+
+template <typename T>
+void attend(const AttendArgs& a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (std::is_same_v<T, at::BFloat16> && use_amx(a)) return attend_amx(a);
+#endif
+  const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
+  thread_local std::vector<float> s;
+  thread_local std::vector<int64_t> valid;
+  s.resize(kRowBlock * cmax * bs);
+  valid.resize(kRowBlock * cmax);
+  const at::BFloat16* qb = std::is_same_v<T, at::BFloat16> && uses_bf16_query(d) ? a.q_bf16 : nullptr;
+  for (int64_t c0 = 0; c0 < a.num_blocks; c0 += cmax) {
+    const int64_t cb = std::min(cmax, a.num_blocks - c0);
+    int64_t r0 = 0;
+    for (; r0 + kRowBlock <= a.rows; r0 += kRowBlock)
+      chunk_rows<T, kRowBlock>(a, r0, c0, cb, s.data(), valid.data(), qb);
+    switch (a.rows - r0) {
+      case 3: chunk_rows<T, 3>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
+      case 2: chunk_rows<T, 2>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
+      case 1: chunk_rows<T, 1>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+bool uses_bf16_query(int64_t head_size) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return has_bf16_dot() && head_size % 16 == 0;  // score_keys_bf16_rows' tail handles 16 values
+#else
+  (void)head_size;
+  return false;
+#endif
+}
+
+bool has_amx() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+void attend_blocks(const AttendArgs& args) {
+  switch (args.dtype) {
+    case at::kFloat: return attend<float>(args);
+    case at::kBFloat16: return attend<at::BFloat16>(args);
+    case at::kHalf: return attend<at::Half>(args);
+    default: TORCH_CHECK_TYPE(false, "the CPU kernel supports float32, bfloat16 and float16 KV, got ", args.dtype);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace activekv::cpu_kernel

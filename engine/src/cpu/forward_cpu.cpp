@@ -1,0 +1,214 @@
+// The CPU kernel's path (forward_path.h): a round of admitted units (every unit that fits the pool beside the others,
+// StepPlan rounds) computed by one parallel region over its (request row, KV heads) tasks, each task's blocks attended
+// in order by one thread with the kernel of cpu_kernel.h, reading the pool in place. The rows' grouped queries and
+// online-softmax state live in buffers of the path's own, and it writes every row's output itself.
+//
+// Rounds hold whole tiles, so a row's arithmetic does not depend on the rounds, the pool size or the thread count;
+// a held unit's slots are the newest in LRU order and pins are released in admission order, so the slots, hits,
+// evictions, LRU order and telemetry are those of one unit at a time (checked against the ATen path on the parity
+// cells).
+#include <activekv/check.h>
+#include <activekv/cpu_kernel.h>
+
+#include <ATen/Parallel.h>
+
+#include <limits>
+#include <type_traits>
+
+#include "../forward_path.h"
+
+namespace activekv {
+
+namespace {
+
+// Query rows of the CPU kernel, grouped per KV head as group_query lays them out: of a request row whose grouped rows
+// start at q, KV head hh, group member gi and token t is row hh * G * lq + gi * lq + t of q [rows, D] float32 (and of
+// q_bf16, the bfloat16 query as given, where non-null). Plain loops over the query's strides: no ATen op per row.
+template <typename T>
+void group_rows(const at::Tensor& query, int64_t q0, int64_t lq, int64_t kvh, int64_t group, int64_t d, float* q,
+                at::BFloat16* q_bf16) {
+  const T* src = query.data_ptr<T>();
+  const int64_t s0 = query.stride(0), s1 = query.stride(1), s2 = query.stride(2);
+  for (int64_t hh = 0; hh < kvh; ++hh)
+    for (int64_t gi = 0; gi < group; ++gi)
+      for (int64_t t = 0; t < lq; ++t) {
+        const T* x = src + (q0 + t) * s0 + (hh * group + gi) * s1;
+        const int64_t row = (hh * group + gi) * lq + t;
+        for (int64_t j = 0; j < d; ++j) q[row * d + j] = static_cast<float>(x[j * s2]);
+        if constexpr (std::is_same_v<T, at::BFloat16>)
+          if (q_bf16 != nullptr)
+            for (int64_t j = 0; j < d; ++j) q_bf16[row * d + j] = x[j * s2];
+      }
+}
+
+// out[q0 + t, hh * G + gi, :] = acc / l of that grouped row (online_softmax_finish and ungroup_output of the ATen
+// path: one float32 division per element, then the output dtype's rounding). out: [tokens, heads, D] contiguous.
+template <typename T>
+void finish_rows(const float* acc, const float* l, int64_t q0, int64_t lq, int64_t kvh, int64_t group, int64_t d,
+                 const at::Tensor& out) {
+  T* dst = out.data_ptr<T>();
+  const int64_t heads = kvh * group;
+  for (int64_t hh = 0; hh < kvh; ++hh)
+    for (int64_t gi = 0; gi < group; ++gi)
+      for (int64_t t = 0; t < lq; ++t) {
+        const int64_t row = (hh * group + gi) * lq + t;
+        T* o = dst + ((q0 + t) * heads + hh * group + gi) * d;
+        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[row * d + j] / l[row]);
+      }
+}
+
+class CpuPath : public ForwardPath {
+ public:
+  CpuPath(const Geometry& g, const Selection& sel, Telemetry& telemetry) : g_(g), sel_(sel), telemetry_(telemetry) {}
+  bool batches_units() const override { return true; }
+  bool native_scores() const override { return true; }
+
+  void begin(const LayerStep& s) override {
+    const int64_t kvh = g_.num_kv_heads, d = g_.head_size, group = g_.num_heads / kvh;
+    const auto& rows = s.plan.rows;
+    // Every row's grouped query and online-softmax state (running max, sum, accumulator) in one buffer each: row i's
+    // grouped rows start at first_[i] (kvh * G * lq of them).
+    first_.assign(rows.size() + 1, 0);
+    for (size_t i = 0; i < rows.size(); ++i) first_[i + 1] = first_[i] + kvh * group * rows[i].lq;
+    const int64_t total = first_.back();
+    qbuf_.resize(total * d);
+    mbuf_.assign(total, -std::numeric_limits<float>::infinity());
+    lbuf_.assign(total, 0.f);
+    accbuf_.assign(total * d, 0.f);
+    // The query rounded to bfloat16 (exactly the model's bfloat16 query) where the kernel reads it.
+    qb16_.resize(g_.dtype == at::kBFloat16 && cpu_kernel_uses_bf16_query(d) ? total * d : 0);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      float* q = qbuf_.data() + first_[i] * d;
+      at::BFloat16* qb = qb16_.empty() ? nullptr : qb16_.data() + first_[i] * d;
+      const int64_t q0 = rows[i].q0, lq = rows[i].lq;
+      switch (g_.dtype) {
+        case at::kFloat: group_rows<float>(s.query, q0, lq, kvh, group, d, q, qb); break;
+        case at::kBFloat16: group_rows<at::BFloat16>(s.query, q0, lq, kvh, group, d, q, qb); break;
+        case at::kHalf: group_rows<at::Half>(s.query, q0, lq, kvh, group, d, q, qb); break;
+        default: AKV_CHECK_TYPE(false, "the CPU kernel supports float32, bfloat16 and float16, got ", g_.dtype);
+      }
+    }
+    round_.assign(rows.size(), {});
+  }
+
+  void attend(const LayerStep& s, const std::vector<AdmittedUnit>& round, int64_t per_task) override {
+    const int64_t kvh = g_.num_kv_heads, d = g_.head_size, bs = g_.block_size, tb = g_.tile_blocks;
+    const int64_t group = g_.num_heads / kvh;
+    // The round's blocks of every row: pool slots and row positions of head hh at [hh * head_stride, + count).
+    int64_t tiles = 0;
+    for (const auto& a : round) {
+      const auto i = static_cast<size_t>(s.plan.unit_row[a.unit]);
+      const PlannedRow& w = s.plan.rows[i];
+      RowRound& rr = round_[i];
+      if (w.selects) {  // a compressed row's heads read m blocks each
+        const RowSelection& sel = s.selections[i];
+        const int64_t m = sel_.per_head();
+        const int64_t* pp = sel.pos_cpu.data_ptr<int64_t>();
+        rr.slots = sel.head_slots(a.slots);
+        rr.pos.assign(pp, pp + kvh * m);
+        rr.head_stride = m;
+        tiles += (m + tb - 1) / tb;  // counted as the tiles of tile_blocks the other paths compute
+      } else {  // every head of an exact row reads the same blocks
+        const int64_t tile = a.unit - w.first_unit;
+        rr.slots.insert(rr.slots.end(), a.slots.begin(), a.slots.end());
+        for (size_t j = 0; j < a.slots.size(); ++j) rr.pos.push_back(tile * tb + static_cast<int64_t>(j));
+        rr.head_stride = 0;
+        ++tiles;
+      }
+    }
+    // Tasks: (row, first KV head), per_task heads each. A task walks its heads tile by tile (a tile's slots hold every
+    // head's K and V side by side: [P, KVH, 2, bs, D]), so the more heads per task, the closer the pool is read to its
+    // address order.
+    tasks_.clear();
+    for (size_t i = 0; i < round_.size(); ++i)
+      if (!round_[i].slots.empty())
+        for (int64_t h0 = 0; h0 < kvh; h0 += per_task) tasks_.emplace_back(i, h0);
+    const auto* pool_bytes = static_cast<const char*>(s.layer.pool.data_ptr());
+    const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(s.layer.pool.element_size());  // K and V of (block, head)
+    const auto& rows = s.plan.rows;
+    at::parallel_for(0, static_cast<int64_t>(tasks_.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<const void*> ptrs;
+      AttendArgs a;
+      a.dtype = g_.dtype;
+      a.block_size = bs;
+      a.head_size = d;
+      a.scale = s.scale;
+      a.chunk_blocks = tb;
+      for (int64_t t = begin; t < end; ++t) {
+        const size_t i = tasks_[t].first;
+        const RowRound& rr = round_[i];
+        const int64_t h0 = tasks_[t].second, nrows = group * rows[i].lq, base = first_[i];
+        const int64_t count = rr.head_stride > 0 ? rr.head_stride : static_cast<int64_t>(rr.slots.size());
+        a.rows = nrows;
+        a.num_q = rows[i].lq;
+        a.first_query_pos = rows[i].seq - rows[i].lq;
+        // Exact rows: tile after tile, head after head (every head reads the same slots, whose K and V of all heads
+        // lie side by side, so the pool is read close to its address order). Compressed rows: head after head, each
+        // head's blocks in one call (the heads' blocks differ, so nothing is shared between them, and the kernel then
+        // prefetches across tiles). Each (row, head) sees its blocks in order, in tiles of tb, either way.
+        const int64_t step = rr.head_stride > 0 ? count : tb;
+        for (int64_t j = 0; j < count; j += step) {
+          const int64_t n = std::min(step, count - j);
+          for (int64_t hh = h0; hh < h0 + per_task; ++hh) {
+            const int64_t* slots = rr.slots.data() + hh * rr.head_stride + j;
+            ptrs.resize(n);
+            for (int64_t x = 0; x < n; ++x) ptrs[x] = pool_bytes + (slots[x] * kvh + hh) * run_bytes;
+            a.q = qbuf_.data() + (base + hh * nrows) * d;
+            a.q_bf16 = qb16_.empty() ? nullptr : qb16_.data() + (base + hh * nrows) * d;
+            a.num_blocks = n;
+            a.kv = ptrs.data();
+            a.block_pos = rr.pos.data() + hh * rr.head_stride + j;
+            a.m = mbuf_.data() + base + hh * nrows;
+            a.l = lbuf_.data() + base + hh * nrows;
+            a.acc = accbuf_.data() + (base + hh * nrows) * d;
+            attend_blocks_cpu(a);
+          }
+        }
+      }
+    });
+    for (auto& rr : round_) {
+      rr.slots.clear();
+      rr.pos.clear();
+    }
+    telemetry_.add(Counter::kTilesComputed, tiles);
+  }
+
+  void finish(const LayerStep& s) override {
+    const int64_t kvh = g_.num_kv_heads, d = g_.head_size, group = g_.num_heads / kvh;
+    const auto& rows = s.plan.rows;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const float* acc = accbuf_.data() + first_[i] * d;
+      const float* l = lbuf_.data() + first_[i];
+      const int64_t q0 = rows[i].q0, lq = rows[i].lq;
+      switch (g_.dtype) {
+        case at::kFloat: finish_rows<float>(acc, l, q0, lq, kvh, group, d, s.out); break;
+        case at::kBFloat16: finish_rows<at::BFloat16>(acc, l, q0, lq, kvh, group, d, s.out); break;
+        default: finish_rows<at::Half>(acc, l, q0, lq, kvh, group, d, s.out); break;
+      }
+    }
+  }
+
+ private:
+  // A row's blocks in the current round: pool slots and row positions of head hh at [hh * head_stride, + count).
+  // Every head of an exact row reads the same blocks (head_stride 0); a compressed row's heads read m each.
+  struct RowRound {
+    std::vector<int64_t> slots, pos;
+    int64_t head_stride = 0;
+  };
+  const Geometry& g_;
+  const Selection& sel_;
+  Telemetry& telemetry_;
+  std::vector<int64_t> first_;
+  std::vector<float> qbuf_, mbuf_, lbuf_, accbuf_;
+  std::vector<at::BFloat16> qb16_;
+  std::vector<RowRound> round_;
+  std::vector<std::pair<size_t, int64_t>> tasks_;
+};
+
+}  // namespace
+
+std::unique_ptr<ForwardPath> make_cpu_path(const Geometry& g, const Selection& sel, Telemetry& telemetry) {
+  return std::make_unique<CpuPath>(g, sel, telemetry);
+}
+
+}  // namespace activekv

@@ -1,0 +1,170 @@
+// Compressed mode's selection (selection.h): the Quest bound (ATen ops, or the CPU kernel's scorer), the top-k per KV
+// head, and each selecting row's selection of one layer with its union, record and counters.
+#include <activekv/check.h>
+#include <activekv/cpu_kernel.h>
+#include <activekv/selection.h>
+#include <activekv/transfer.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace activekv {
+
+
+at::Tensor quest_scores(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                        const at::Tensor& ids) {
+  const int64_t kvh = key_min.size(1), d = key_min.size(2), g = q.size(1) / kvh;
+  auto kmin = key_min.index_select(0, ids).to(at::kFloat).permute({1, 2, 0});  // [KVH, D, C], widened exactly
+  auto kmax = key_max.index_select(0, ids).to(at::kFloat).permute({1, 2, 0});  // [KVH, D, C]
+  auto qf = q.to(at::kFloat).reshape({kvh, g, d});                // [KVH, G, D]
+  // sum_d max(q_d * min_d, q_d * max_d) = relu(q) . max + min(q, 0) . min  (max_d >= min_d)
+  auto bound = at::add(at::matmul(qf.clamp_min(0.0), kmax), at::matmul(qf.clamp_max(0.0), kmin));  // [KVH, G, C]
+  return bound.amax(1);                                                                             // [KVH, C]
+}
+
+at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                               const at::Tensor& ids) {
+  RECORD_FUNCTION("activekv::quest_scores_native", std::vector<c10::IValue>());  // named in torch.profiler tables
+  const int64_t kvh = key_min.size(1), d = key_min.size(2), g = q.size(1) / kvh, c = ids.size(0);
+  const auto dt = key_min.scalar_type();
+  TORCH_INTERNAL_ASSERT(key_min.is_cpu() && key_min.is_contiguous() && key_max.is_contiguous() &&
+                        key_max.scalar_type() == dt &&
+                        (dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf));
+  auto qf = q.to(at::kFloat).reshape({kvh * g, d});
+  auto q_pos = qf.clamp_min(0.0).contiguous(), q_neg = qf.clamp_max(0.0).contiguous();
+  auto blocks = ids.to(at::kLong).contiguous();
+  auto score = at::empty({kvh, c}, q.options().dtype(at::kFloat));
+  QuestArgs a;
+  a.num_kv_heads = kvh;
+  a.group = g;
+  a.head_size = d;
+  a.q_pos = q_pos.data_ptr<float>();
+  a.q_neg = q_neg.data_ptr<float>();
+  a.dtype = dt;
+  a.key_min = key_min.const_data_ptr();
+  a.key_max = key_max.const_data_ptr();
+  a.blocks = blocks.data_ptr<int64_t>();
+  a.num_blocks = c;
+  a.score = score.data_ptr<float>();
+  // Each block's score is computed by one thread in a fixed order: the same for any thread count.
+  at::parallel_for(0, c, 64, [&](int64_t begin, int64_t end) { quest_scores_cpu(a, begin, end); });
+  return score;
+}
+
+at::Tensor top_blocks(const at::Tensor& score, int64_t k) {
+  // NaN scores (from non-finite key metadata) rank first, as +inf, so exactly k blocks are chosen per head.
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  auto s = at::nan_to_num(score, kInf, kInf, -kInf);
+  auto kth = std::get<0>(at::topk(s, k, /*dim=*/1, /*largest=*/true, /*sorted=*/true)).narrow(1, k - 1, 1);
+  auto above = s.gt(kth);
+  auto tied = s.eq(kth);
+  auto room = above.sum(1, /*keepdim=*/true).neg().add(k);  // tied blocks still to take, lowest position first
+  auto chosen = above.logical_or(tied.logical_and(tied.cumsum(1).le(room)));
+  return chosen.nonzero().select(1, 1).reshape({score.size(0), k});  // row-major: ascending per head
+}
+
+namespace {
+// select_blocks' result from the native scores [KVH, C] (CPU float32, contiguous), without ATen ops: per head the
+// candidates ordered by (score descending, NaN as +inf; position ascending) and the first k taken (std::nth_element,
+// then sorted by position), which is top_blocks' set: every score above the k-th, then the lowest positions equal to
+// it. Then sinks, chosen + sink, recents.
+at::Tensor select_native(const at::Tensor& score, int64_t nb, const Selection& sel) {
+  const int64_t kvh = score.size(0), c = score.size(1), k = sel.top_k, m = sel.per_head();
+  auto out = at::empty({kvh, m}, at::TensorOptions().dtype(at::kLong));
+  const float* s = score.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<std::pair<float, int64_t>> order(c);  // (score with NaN as +inf, candidate position)
+  std::vector<int64_t> top(k);
+  for (int64_t h = 0; h < kvh; ++h) {
+    const float* sh = s + h * c;
+    for (int64_t i = 0; i < c; ++i) order[i] = {std::isnan(sh[i]) ? std::numeric_limits<float>::infinity() : sh[i], i};
+    std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), [](const auto& a, const auto& b) {
+      return a.first > b.first || (a.first == b.first && a.second < b.second);  // -0 and +0 tie, as at::eq has them
+    });
+    for (int64_t j = 0; j < k; ++j) top[j] = order[j].second;
+    std::sort(top.begin(), top.end());
+    int64_t* oh = o + h * m;
+    for (int64_t j = 0; j < sel.sink_blocks; ++j) *oh++ = j;
+    for (int64_t j = 0; j < k; ++j) *oh++ = top[j] + sel.sink_blocks;
+    for (int64_t j = nb - sel.recent_blocks; j < nb; ++j) *oh++ = j;
+  }
+  return out;
+}
+}  // namespace
+
+at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
+                         const at::Tensor& row_blocks, const Selection& sel, bool native_scores) {
+  RECORD_FUNCTION("activekv::select_blocks", std::vector<c10::IValue>());
+  const int64_t nb = row_blocks.size(0), kvh = key_min.size(1);
+  const int64_t cand = nb - sel.sink_blocks - sel.recent_blocks;
+  AKV_CHECK_VALUE(cand > sel.top_k, "a selecting row needs more than sink + recent + k = ", sel.per_head(),
+                  " blocks, got ", nb);
+  auto ids = row_blocks.narrow(0, sel.sink_blocks, cand);
+  if (native_scores) return select_native(quest_scores_native(q, key_min, key_max, ids), nb, sel);
+  auto score = quest_scores(q, key_min, key_max, ids);
+  auto top = top_blocks(score, sel.top_k);
+  auto opts = at::TensorOptions().dtype(at::kLong).device(q.device());
+  auto sinks = at::arange(0, sel.sink_blocks, opts).expand({kvh, sel.sink_blocks});
+  auto recents = at::arange(nb - sel.recent_blocks, nb, opts).expand({kvh, sel.recent_blocks});
+  return at::cat({sinks, top.add(sel.sink_blocks), recents}, 1);
+}
+
+std::vector<int64_t> RowSelection::head_slots(const std::vector<int64_t>& union_slots) const {
+  const int64_t n = pos_cpu.numel();
+  const int64_t* pp = pos_cpu.data_ptr<int64_t>();
+  std::vector<int64_t> out(n);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = union_slots[std::lower_bound(union_pos.begin(), union_pos.end(), pp[i]) - union_pos.begin()];
+  return out;
+}
+
+std::vector<RowSelection> select_rows(const StepPlan& plan, LayerState& layer, const at::Tensor& query,
+                                      const Selection& sel, bool native_scores, Telemetry& telemetry) {
+  std::vector<RowSelection> out(plan.rows.size());
+  std::vector<size_t> selecting;
+  for (size_t i = 0; i < plan.rows.size(); ++i)
+    if (plan.rows[i].selects) selecting.push_back(i);
+  // Score and choose: [KVH, m] positions per row, on the query's device. Reads the layer's key metadata only.
+  const auto choose = [&](size_t i) {
+    const PlannedRow& w = plan.rows[selecting[i]];
+    const auto& ids = w.row_blocks_dev.defined() ? w.row_blocks_dev : w.row_blocks;
+    out[selecting[i]].pos =
+        select_blocks(query.narrow(0, w.q0, w.lq), layer.key_min, layer.key_max, ids, sel, native_scores);
+  };
+  const int64_t n = static_cast<int64_t>(selecting.size());
+  if (native_scores && n >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) choose(static_cast<size_t>(i));
+    });
+  } else {
+    for (size_t i = 0; i < selecting.size(); ++i) choose(i);
+  }
+  // Record, in row order: the union of the heads' blocks (admitted, all pinned while the row attends), the layer's
+  // last selection and the counters.
+  const int64_t kvh = layer.key_min.size(1), m = sel.per_head();
+  for (size_t i : selecting) {
+    const PlannedRow& w = plan.rows[i];
+    RowSelection& s = out[i];
+    s.pos_cpu = s.pos.to(at::kCPU).contiguous();
+    const int64_t* pp = s.pos_cpu.data_ptr<int64_t>();
+    s.union_pos.assign(pp, pp + kvh * m);
+    std::sort(s.union_pos.begin(), s.union_pos.end());
+    s.union_pos.erase(std::unique(s.union_pos.begin(), s.union_pos.end()), s.union_pos.end());
+    const int64_t* row = plan.blocks.data() + w.first_block;
+    for (int64_t p : s.union_pos) s.union_blocks.push_back(row[p]);
+    layer.last_selection.emplace_back(w.req, w.row_blocks.index_select(0, s.pos_cpu.view({-1})).view({kvh, m}));
+    telemetry.add(Counter::kCompressedRows);
+    telemetry.add(Counter::kCompressedContextBlocks, w.nb);
+    telemetry.add(Counter::kSelectedBlocks, kvh * m);
+    telemetry.add(Counter::kUnionBlocks, static_cast<int64_t>(s.union_blocks.size()));
+  }
+  return out;
+}
+
+}  // namespace activekv
