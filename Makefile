@@ -44,8 +44,8 @@ wheel: venv ## build dist/activekv-*.whl: scikit-build-core against .venv's torc
 audit: ## audit the wheel in dist/ (RECORD, file kinds, no Python of ours, the patch's contracts)
 	$(PY) -m release.audit dist/activekv-*.whl
 
-intake: build ## screen engine/, bindings/ and patches/ with the intake check (parses with build's compile_commands.json)
-	$(PY) -m intake scan engine bindings patches
+intake: build ## screen engine/, series/, bindings/ and patches/ with the intake check (parses with build's compile_commands.json)
+	$(PY) -m intake scan engine series bindings patches
 
 patch-vllm: venv ## apply the patch series to the vLLM installed in .venv (idempotent)
 	$(PY) -m tools.vllm_patch apply

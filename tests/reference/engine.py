@@ -245,8 +245,8 @@ class RefEngine:
         return host
 
     def build(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-              num_actual_tokens: int, num_reqs: int | None = None) -> RefPlan:
-        n = seq_lens.shape[0] if num_reqs is None else num_reqs
+              num_reqs: int, num_actual_tokens: int) -> RefPlan:
+        n = num_reqs
         self.counters["build_calls"] += 1
         self.counters["request_rows"] += n
         return RefPlan(query_start_loc[: n + 1].to(torch.int32).clone(), seq_lens[:n].to(torch.int32).clone(),
