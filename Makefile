@@ -60,8 +60,8 @@ wheel-compat: venv ## as `wheel`, for manylinux_2_31 (a bullseye sysroot); stops
 audit: ## audit the wheel in dist/ (RECORD, file kinds, no Python of ours, the patch's contracts)
 	$(PY) -m release.audit dist/activekv-*.whl
 
-intake: build ## screen engine/, bindings/ and patches/ with the intake check (parses with build's compile_commands.json)
-	$(PY) -m intake scan engine bindings patches
+intake: build ## screen engine/, series/, bindings/ and patches/ with the intake check (parses with build's compile_commands.json)
+	$(PY) -m intake scan engine series bindings patches
 
 patch-vllm: venv ## apply the patch series to the vLLM installed in .venv (idempotent)
 	$(PY) -m tools.vllm_patch apply

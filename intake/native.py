@@ -113,6 +113,15 @@ def _run_jobs(root: Path, jobs: list[tuple[str, list[str], str, str]], workers: 
         return _pool_map(_parse_job, full, workers, size), sum(1 for r in built if r["ok"])
 
 
+def _module_of(args: list[str]) -> str | None:
+    """The Python extension module a unit is compiled into: CMakeLists.txt's -DACTIVEKV_MODULE_NAME=_<part>."""
+    for i, a in enumerate(args):
+        value = a[2:] if a.startswith("-D") else (args[i + 1] if a == "-D" and i + 1 < len(args) else "")
+        if value.startswith("ACTIVEKV_MODULE_NAME="):
+            return value.split("=", 1)[1]
+    return None
+
+
 def load_program(
     root: Path, sources: list[Path], headers: list[Path], db: CompileDatabase, cache: Cache, workers: int
 ) -> Program:
@@ -134,14 +143,14 @@ def load_program(
             key = cache.key(str(f), flags)
             facts = cache.get(key)
             if facts is not None:
-                program.units.append(facts)
+                program.units.append({**facts, "module": _module_of(list(flags.args))})
             else:
                 jobs.append((str(f), list(flags.args), str(root), flags.source))
                 keys.append(key)
         results, preludes = _run_jobs(root, jobs, workers)
-        for key, facts in zip(keys, results):
+        for job, key, facts in zip(jobs, keys, results):
             cache.put(key, facts)
-            program.units.append(facts)
+            program.units.append({**facts, "module": _module_of(job[1])})
         program.parsed += len(jobs)
         program.preludes += preludes
 
@@ -257,10 +266,12 @@ def judge(root: Path, program: Program) -> tuple[list[Finding], set[str]]:
     names: dict[str, str] = {}
     bindings: list[tuple[str, dict[str, Any], bool]] = []
     seen_bindings: set[tuple[str, int, int, str]] = set()
+    unit_module: dict[str, str | None] = {}  # main file -> the extension module it is compiled into
 
     for unit in program.units:
         main_rel = _rel(root, unit["main"])
         analysed.add(main_rel)
+        unit_module[main_rel] = unit.get("module")
         if _cuda_without_toolkit(main_rel, unit):
             findings += _lexical_findings(root, main_rel)
             continue
@@ -312,14 +323,19 @@ def judge(root: Path, program: Program) -> tuple[list[Finding], set[str]]:
             usr, {"name": name, "path": "", "line": 0, "calls": [], "sinks": [], "reads": [], "writes": []}
         )
     findings += _per_step(functions, overriders, state, bindings)
-    findings += _request_path(functions, bindings)
+    findings += _request_path(functions, bindings, unit_module)
     return findings, analysed
 
 
 def _request_path(
-    functions: dict[str, dict[str, Any]], bindings: list[tuple[str, dict[str, Any], bool]]
+    functions: dict[str, dict[str, Any]],
+    bindings: list[tuple[str, dict[str, Any], bool]],
+    unit_module: dict[str, str | None],
 ) -> list[Finding]:
     served = {rel for rel, b, _ in bindings if b["name"] in REQUEST_METHODS}
+    # A module is one unit of review: every file compiled into a module that serves routes (its awaitable's file too).
+    modules = {unit_module.get(rel) for rel in served} - {None}
+    served |= {rel for rel, module in unit_module.items() if module in modules}
     findings: list[Finding] = []
     seen: set[tuple[str, int, int]] = set()
     for node in functions.values():

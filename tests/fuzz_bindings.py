@@ -471,7 +471,7 @@ def assert_same_state(a, b) -> None:
 
 
 UPDATE_ARGS = ("layer", "key", "value", "kv_cache", "slot_mapping")
-BUILD_ARGS = ("query_start_loc", "seq_lens", "block_table", "num_actual_tokens", "num_reqs")
+BUILD_ARGS = ("query_start_loc", "seq_lens", "block_table", "num_reqs", "num_actual_tokens")
 FORWARD_ARGS = ("layer", "query", "kv_cache", "output")
 
 
@@ -500,7 +500,7 @@ def mutate_step(data, call_name: str, args: dict, gs, step):
         if name == "key" and desc == "dim0 + 1" or name == "value" and desc == "dim0 + 1":
             must = True  # key and value must agree on the token count
         if name == "seq_lens" and desc == "dim0 + 1":
-            must = "num_reqs" not in args or args["num_reqs"] is None
+            must = False  # rows past num_reqs are ignored (vLLM pads them)
         if name == "block_table" and desc == "last dim + 1":
             must = False  # a wider table is fine
         if name == "kv_cache" and desc == "dim0 + 1":
@@ -544,7 +544,7 @@ def int_mutations(name, v, gs, step):
         return [("below used", step.num_actual - 1, True), ("negative", -1, True), ("extreme", INT64_MAX, False),
                 ("float", 1.5, True)]
     if name == "num_reqs":
-        return [("None", None, False), ("+1", step.num_reqs + 1, True), ("negative", -1, True),
+        return [("None", None, True), ("+1", step.num_reqs + 1, True), ("negative", -1, True),
                 ("extreme", INT64_MAX, True), ("0", 0, False)]
     raise AssertionError(name)
 
@@ -617,7 +617,7 @@ def fuzz_engine_step(gs, pool_extra, mode, kernel, data) -> None:
                                      args["slot_mapping"])
         elif call_name == "build":
             fn = lambda: e.build(args["query_start_loc"], args["seq_lens"], args["block_table"],  # noqa: E731
-                                 args["num_actual_tokens"], args["num_reqs"])
+                                 args["num_reqs"], args["num_actual_tokens"])
         else:
             fn = lambda: e.forward(args["layer"], plan, args["query"], args["kv_cache"], args["output"],  # noqa: E731
                                    scale)
@@ -638,7 +638,7 @@ def fuzz_engine_step(gs, pool_extra, mode, kernel, data) -> None:
         elif call_name == "build":
             plan = res
             rplan = r.build(rargs["query_start_loc"], rargs["seq_lens"], rargs["block_table"],
-                            rargs["num_actual_tokens"], rargs["num_reqs"])
+                            rargs["num_reqs"], rargs["num_actual_tokens"])
         else:
             rout = torch.zeros_like(rargs["output"])
             r.forward(rargs["layer"], rplan, rargs["query"], rargs["kv_cache"], rout, scale)
@@ -653,7 +653,7 @@ def fuzz_engine_step(gs, pool_extra, mode, kernel, data) -> None:
     plan = rplan = None
     upd = {"layer": layer, "key": key, "value": value, "kv_cache": caches[layer], "slot_mapping": step.slots}
     bld = {"query_start_loc": step.qsl, "seq_lens": step.seq_lens, "block_table": step.table,
-           "num_actual_tokens": step.num_actual, "num_reqs": None}
+           "num_reqs": step.num_reqs, "num_actual_tokens": step.num_actual}
     out = torch.zeros(step.tokens, gs.num_heads, gs.head_size, dtype=gs.dtype)
     fwd = {"layer": layer, "query": query, "kv_cache": caches[layer], "output": out}
     for call_name, args in (("update_kv", upd), ("build", bld), ("forward", fwd)):
@@ -806,9 +806,13 @@ OPTION_KEYS = st.sampled_from(["mode", "pool_blocks", "tile_blocks", "kernel", "
                                "recent_blocks", "pool", "Mode", ""])
 
 
-def vllm_config(num_heads, options) -> SimpleNamespace:
+def vllm_config(num_heads, options, impls: dict | None = None) -> SimpleNamespace:
+    """impls: {layer name: Impl} registered as vLLM registers its attention layers (static_forward_context, each
+    layer's impl holding the native Impl as the patch's ActiveKVImpl does): the Builder binds its engine to them."""
     model_config = SimpleNamespace(get_num_attention_heads=lambda parallel_config: num_heads)
-    return SimpleNamespace(model_config=model_config, parallel_config=SimpleNamespace(), additional_config=options)
+    layers = {n: SimpleNamespace(layer_name=n, impl=SimpleNamespace(_native=i)) for n, i in (impls or {}).items()}
+    return SimpleNamespace(model_config=model_config, parallel_config=SimpleNamespace(), additional_config=options,
+                           compilation_config=SimpleNamespace(static_forward_context=layers))
 
 
 # telemetry_json values a start-up must refuse: a directory (spelled several ways), a NUL (the C library would see a
@@ -880,9 +884,9 @@ def fuzz_impl_forward(layer_kind, meta_kind, cm_kind) -> None:
     """Impl.forward / do_kv_cache_update / Builder.build with odd vLLM objects: named errors, never a crash."""
     example()
     spec = SimpleNamespace(block_size=4, num_kv_heads=2, head_size=32, dtype=torch.float32, sliding_window=None)
-    b = backend.Builder(spec, ["fz.0"], vllm_config(4, {"activekv": {"pool_blocks": 4, "tile_blocks": 2}}),
-                        torch.device("cpu"))
     impl = backend.Impl(4, 32, 32 ** -0.5, 2)
+    b = backend.Builder(spec, ["fz.0"], vllm_config(4, {"activekv": {"pool_blocks": 4, "tile_blocks": 2}},
+                                                    {"fz.0": impl}), torch.device("cpu"))
     q = torch.tensor([0, 1], dtype=torch.int32)
     cm = SimpleNamespace(query_start_loc=q, query_start_loc_cpu=q, seq_lens=torch.tensor([1], dtype=torch.int32),
                          block_table_tensor=torch.tensor([[0]], dtype=torch.int32), num_reqs=1, num_actual_tokens=1,
@@ -931,7 +935,7 @@ def fuzz_telemetry(layer_counts, data) -> None:
     engines = [backend.Engine(n + 1, 2, 1, 4, 2, torch.float32, 2, 1) for n in layer_counts]
     for e in engines:
         for _ in range(data.draw(st.integers(0, 2))):
-            e.build(torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([[0]]), 1)
+            e.build(torch.tensor([0, 1]), torch.tensor([1]), torch.tensor([[0]]), 1, 1)
     snaps = telemetry.engine_snapshots()
     total = telemetry.snapshot()
     assert total["engines"] == len(snaps) == base + len(engines)
@@ -1274,7 +1278,7 @@ def fuzz_concurrent_entry_points(gs, mode, kernel, workers) -> None:
     cache, rcache, scache = init.clone(), init.clone(), init.clone()
     seq = 4 * bs
     plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
-                   torch.arange(4, dtype=torch.int32)[None], 1)
+                   torch.arange(4, dtype=torch.int32)[None], 1, 1)
     q = torch.randn(1, gs.num_heads, d).to(gs.dtype)
     first = torch.empty(1, gs.num_heads, d, dtype=gs.dtype)
     e.forward(0, plan, q, cache, first, d ** -0.5)

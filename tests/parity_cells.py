@@ -142,6 +142,10 @@ class Step:
     k: list[torch.Tensor]  # per layer [T, KVH, D]
     v: list[torch.Tensor]
 
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
 
 def _step(cell: Cell, g: torch.Generator, tables: list[list[int]], done: list[int], new: list[int]) -> Step:
     bs, heads = cell.block_size, NUM_KV_HEADS * cell.gqa
@@ -260,8 +264,8 @@ def run_cell(cell: Cell, device: str = "cpu", tiered: bool = False, transfer: st
     for si, st in enumerate(make_steps(cell, nb)):
         if dev.type != "cpu":
             st.q, st.k, st.v = ([x.to(dev) for x in xs] for xs in (st.q, st.k, st.v))
-        plan_n = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
-        plan_r = ref.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
+        plan_n = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_reqs, st.num_actual_tokens)
+        plan_r = ref.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_reqs, st.num_actual_tokens)
         for layer in range(NUM_LAYERS):
             eng.update_kv(layer, st.k[layer], st.v[layer], caches_n[layer], st.slot_mapping)
             ref.update_kv(layer, st.k[layer], st.v[layer], caches_r[layer], st.slot_mapping)

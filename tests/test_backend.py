@@ -17,10 +17,16 @@ H, KVH, D, BS = 4, 2, 32, 16
 SDPA_ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-def vllm_config(options: dict | None = None, extra: object = None) -> SimpleNamespace:
+def vllm_config(options: dict | None = None, extra: object = None,
+                impls: dict[str, backend.Impl] | None = None) -> SimpleNamespace:
+    """impls: {layer name: Impl}, the attention layers vLLM registers in compilation_config.static_forward_context
+    (each layer's impl the patch's ActiveKVImpl, whose _native is the Impl): a Builder binds its engine to them."""
     model_config = SimpleNamespace(get_num_attention_heads=lambda parallel_config: H)
     additional = extra if extra is not None else ({"activekv": options} if options is not None else {})
-    return SimpleNamespace(model_config=model_config, parallel_config=SimpleNamespace(), additional_config=additional)
+    layers = {name: SimpleNamespace(layer_name=name, impl=SimpleNamespace(_native=impl))
+              for name, impl in (impls or {}).items()}
+    return SimpleNamespace(model_config=model_config, parallel_config=SimpleNamespace(), additional_config=additional,
+                           compilation_config=SimpleNamespace(static_forward_context=layers))
 
 
 def spec(dtype: torch.dtype = torch.float32) -> SimpleNamespace:
@@ -55,8 +61,9 @@ def builder() -> backend.Builder:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vllm_step_sequence_matches_sdpa_and_counts_entries(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    b = backend.Builder(spec(dtype), LAYERS, vllm_config({"pool_blocks": 3, "tile_blocks": 2}), torch.device("cpu"))
     impl = backend.Impl(H, D, D ** -0.5, KVH, None, None, "auto", None, "decoder", None)
+    b = backend.Builder(spec(dtype), LAYERS, vllm_config({"pool_blocks": 3, "tile_blocks": 2},
+                                                         impls=dict.fromkeys(LAYERS, impl)), torch.device("cpu"))
     caches = [torch.zeros(16, KVH, BS, 2 * D, dtype=dtype) for _ in LAYERS]
     layers = [SimpleNamespace(layer_name=n) for n in LAYERS]
     # Two requests, physical blocks out of order; prefill 70 + 20 tokens, then one decode step each.
@@ -89,8 +96,10 @@ def test_vllm_step_sequence_matches_sdpa_and_counts_entries(dtype: torch.dtype) 
     assert snap["blocks_evicted"] > 0 and snap["blocks_admitted"] > 0
 
 
-def test_warmup_forward_without_metadata_leaves_output_untouched(builder: backend.Builder) -> None:
+def test_warmup_forward_without_metadata_leaves_output_untouched() -> None:
     impl = backend.Impl(H, D, 0.1, KVH)
+    builder = backend.Builder(spec(), LAYERS, vllm_config({"pool_blocks": 3, "tile_blocks": 2},
+                                                          impls=dict.fromkeys(LAYERS, impl)), torch.device("cpu"))
     out = torch.full((3, H, D), 5.0)
     q = torch.randn(3, H, D)
     res = impl.forward(SimpleNamespace(layer_name=LAYERS[0]), q, q, q, torch.zeros(4, KVH, BS, 2 * D), None, out)
@@ -116,8 +125,8 @@ def test_forward_without_metadata_counts_only_on_the_engine_its_cache_identifies
     belongs to no engine yet, so the first engine's telemetry does not move; once its own builder exists and binds
     the cache, a forward without metadata on that cache counts on that engine alone."""
     names = ["test.forward_skipped.0", "test.forward_skipped.1"]  # no other test's engine serves these names
-    opts = vllm_config({"pool_blocks": 3, "tile_blocks": 1})
     impl = backend.Impl(H, D, D ** -0.5, KVH)
+    opts = vllm_config({"pool_blocks": 3, "tile_blocks": 1}, impls=dict.fromkeys(names, impl))
     layer, q, kv = SimpleNamespace(layer_name=names[0]), torch.randn(1, H, D), torch.randn(2, KVH, D)
     first, cache_a = backend.Builder(spec(), names, opts, torch.device("cpu")), torch.zeros(8, KVH, BS, 2 * D)
     impl.do_kv_cache_update(layer, kv, kv, cache_a, torch.arange(2))  # binds the first engine's layer to cache_a
@@ -256,7 +265,7 @@ def test_engine_rejects_plan_of_another_engine() -> None:
     args = (1, H, KVH, D, BS, torch.float32, 4, 2)
     e1, e2 = backend.Engine(*args), backend.Engine(*args)
     one = torch.tensor([0, 1], dtype=torch.int32)
-    plan = e1.build(one, torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1)
+    plan = e1.build(one, torch.tensor([1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 1, 1)
     with pytest.raises(ValueError, match="plan was built by another ActiveKV engine"):
         e2.forward(0, plan, torch.zeros(1, H, D), torch.zeros(2, KVH, BS, 2 * D), torch.zeros(1, H, D), 0.1)
 
@@ -313,9 +322,10 @@ def _prefill_and_check(b: backend.Builder, impl: backend.Impl, cache: torch.Tens
 
 
 def test_two_builders_with_the_same_layer_names_keep_their_own_caches() -> None:
-    """Two LLMs in one process: each KV update reaches the engine bound to that KV cache, not the newest engine."""
-    opts = vllm_config({"pool_blocks": 3, "tile_blocks": 1})
+    """Two builders serving one Impl's layer (vLLM's micro-batching makes one per micro-batch): each KV update
+    reaches the engine bound to that KV cache, not the newest engine."""
     impl = backend.Impl(H, D, D ** -0.5, KVH)
+    opts = vllm_config({"pool_blocks": 3, "tile_blocks": 1}, impls=dict.fromkeys(LAYERS, impl))
     first, cache_a = backend.Builder(spec(), LAYERS, opts, torch.device("cpu")), torch.zeros(8, KVH, BS, 2 * D)
     _prefill_and_check(first, impl, cache_a, seed=1)
     second, cache_b = backend.Builder(spec(), LAYERS, opts, torch.device("cpu")), torch.zeros(8, KVH, BS, 2 * D)
@@ -332,7 +342,7 @@ e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
 cache = torch.zeros(16, KVH, BS, 2 * D)
 e.update_kv(0, torch.randn(256, KVH, D), torch.randn(256, KVH, D), cache, torch.arange(256))
 plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([200], dtype=torch.int32),
-               torch.arange(16, dtype=torch.int32)[None], 1)
+               torch.arange(16, dtype=torch.int32)[None], 1, 1)
 q = torch.randn(1, H, D)
 want = torch.empty(1, H, D)
 e.forward(0, plan, q, cache, want, 0.2)
@@ -362,7 +372,7 @@ def test_one_engine_driven_from_several_threads_stays_correct() -> None:
 def test_plan_tensors_are_copies() -> None:
     e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
     plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), 1)
+                   torch.zeros(1, 1, dtype=torch.int32), 1, 1)
     plan.seq_lens[0] = 2 ** 31 - 1
     plan.query_start_loc[0] = 30
     assert plan.seq_lens.tolist() == [3] and plan.query_start_loc.tolist() == [0, 1]
@@ -377,14 +387,14 @@ def test_int64_plan_values_outside_int32_are_rejected(name: str, args: tuple) ->
     e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
     qsl, sl, bt = (torch.tensor(a, dtype=torch.int64) for a in args)
     with pytest.raises(ValueError, match=f"{name} values must fit in int32"):
-        e.build(qsl, sl, bt, 1)
+        e.build(qsl, sl, bt, 1, 1)
 
 
 def test_zero_dim_seq_lens_is_a_clear_error() -> None:
     e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
     with pytest.raises(ValueError, match="seq_lens must be 1-D"):
         e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor(1, dtype=torch.int32),
-                torch.zeros(1, 1, dtype=torch.int32), 1)
+                torch.zeros(1, 1, dtype=torch.int32), 1, 1)
 
 
 def test_grad_and_inference_tensors_are_rejected_before_anything_changes() -> None:
@@ -393,7 +403,7 @@ def test_grad_and_inference_tensors_are_rejected_before_anything_changes() -> No
     k = torch.randn(3, KVH, D)
     e.update_kv(0, k, k, cache, torch.arange(3))
     plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), 1)
+                   torch.zeros(1, 1, dtype=torch.int32), 1, 1)
     before = e.snapshot()
     q = torch.randn(1, H, D)
     with pytest.raises(ValueError, match="output must not require grad"):
@@ -456,7 +466,7 @@ e = backend.Engine(1, H, KVH, D, BS, torch.float32, 64, 2, mode="compressed", bu
 cache = torch.zeros(64, KVH, BS, 2 * D)
 e.update_kv(0, torch.randn(1000, KVH, D), torch.randn(1000, KVH, D), cache, torch.arange(1000))
 plan = e.build(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([1000, 900], dtype=torch.int32),
-               torch.stack([torch.arange(64, dtype=torch.int32), torch.arange(64, dtype=torch.int32)]), 2)
+               torch.stack([torch.arange(64, dtype=torch.int32), torch.arange(64, dtype=torch.int32)]), 2, 2)
 q = torch.randn(2, H, D)
 stop = False
 def step():
@@ -497,7 +507,7 @@ def test_engine_accessors_hand_out_copies() -> None:
         got.set_(torch.empty(0))
     assert e.pool(0).shape == (4, KVH, 2, BS, D) and e.key_min(0).shape == (4, KVH, D)
     plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), 1)
+                   torch.zeros(1, 1, dtype=torch.int32), 1, 1)
     out = torch.empty(1, H, D)
     e.forward(0, plan, torch.ones(1, H, D), cache, out, 0.1)
     torch.testing.assert_close(out, torch.ones(1, H, D))  # every value is 1: the mean of ones
@@ -512,7 +522,7 @@ def test_a_query_start_loc_that_wraps_in_32_bits_is_rejected_before_counting() -
     qsl = torch.tensor([0, first, -first], dtype=torch.int32)  # -first - first = -2^31 - 2 wraps to 2^31 - 2 in int32
     table = torch.zeros(2, first // block_size + 1, dtype=torch.int32)
     with pytest.raises(ValueError, match=f"query_start_loc must be non-decreasing, got {first} then {-first}"):
-        e.build(qsl, torch.tensor([first, 1], dtype=torch.int32), table, 2)
+        e.build(qsl, torch.tensor([first, 1], dtype=torch.int32), table, 2, 2)
     assert e.snapshot() == before
 
 
@@ -522,7 +532,7 @@ def test_an_output_overlapping_what_forward_reads_is_rejected(other: str) -> Non
     cache = torch.zeros(4, KVH, BS, 2 * D)
     e.update_kv(0, torch.ones(3, KVH, D), torch.ones(3, KVH, D), cache, torch.arange(3))
     plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), 1)
+                   torch.zeros(1, 1, dtype=torch.int32), 1, 1)
     q = torch.ones(1, H, D)
     out = cache.view(-1)[: H * D].view(1, H, D) if other == "kv_cache" else q
     before, snap = cache.clone(), e.snapshot()
@@ -538,7 +548,7 @@ def test_a_non_finite_scale_is_rejected(scale: float) -> None:
     e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
     cache = torch.zeros(4, KVH, BS, 2 * D)
     plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
-                   torch.zeros(1, 1, dtype=torch.int32), 1)
+                   torch.zeros(1, 1, dtype=torch.int32), 1, 1)
     with pytest.raises(ValueError, match="scale must be a finite number, got"):
         e.forward(0, plan, torch.ones(1, H, D), cache, torch.empty(1, H, D), scale)
 
@@ -578,9 +588,71 @@ def test_a_nan_in_a_later_tokens_value_stays_out_of_earlier_rows_on_every_kernel
         cache = torch.zeros(4, KVH, BS, 2 * D)
         e.update_kv(0, k, v, cache, torch.arange(40))
         plan = e.build(torch.tensor([0, 40], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
-                       torch.arange(3, dtype=torch.int32)[None], 40)
+                       torch.arange(3, dtype=torch.int32)[None], 1, 40)
         outs[kernel] = torch.empty(40, H, D)
         e.forward(0, plan, q, cache, outs[kernel], D ** -0.5)
     for out in outs.values():
         assert bool(out[:39].isfinite().all()) and bool(out[39, :2, 7].isnan().all())
     torch.testing.assert_close(outs["aten"][:39], outs["native"][:39], atol=2e-5, rtol=2e-5)
+
+
+def test_each_llm_reaches_its_own_engine_through_its_own_impls() -> None:
+    """Two LLMs in one process (same layer names, each with its own attention Impls, as vLLM builds them): a Builder
+    binds its engine to the Impls of the layers it serves, so each KV update reaches its LLM's engine without any
+    lookup by layer name across engines; an Impl no builder bound is served by no engine, whatever its layer name."""
+    impl_a, impl_b = backend.Impl(H, D, D ** -0.5, KVH), backend.Impl(H, D, D ** -0.5, KVH)
+    opts = {"pool_blocks": 3, "tile_blocks": 1}
+    first = backend.Builder(spec(), LAYERS, vllm_config(opts, impls={LAYERS[0]: impl_a}), torch.device("cpu"))
+    second = backend.Builder(spec(), LAYERS, vllm_config(opts, impls={LAYERS[0]: impl_b}), torch.device("cpu"))
+    cache_a, cache_b = torch.zeros(8, KVH, BS, 2 * D), torch.zeros(8, KVH, BS, 2 * D)
+    _prefill_and_check(first, impl_a, cache_a, seed=4)
+    _prefill_and_check(second, impl_b, cache_b, seed=5)
+    _prefill_and_check(first, impl_a, cache_a, seed=6)
+    assert first.engine.snapshot()["kv_update_calls"] == 2 and second.engine.snapshot()["kv_update_calls"] == 1
+    late = backend.Impl(H, D, D ** -0.5, KVH)  # made after both builders: neither bound it
+    k = torch.zeros(1, KVH, D)
+    with pytest.raises(ValueError, match=f"no ActiveKV engine serves layer '{LAYERS[0]}'"):
+        late.do_kv_cache_update(SimpleNamespace(layer_name=LAYERS[0]), k, k, cache_a, torch.zeros(1, dtype=torch.int64))
+    assert first.engine.snapshot()["kv_update_calls"] == 2
+
+
+def test_a_released_builders_engine_no_longer_serves_its_impls() -> None:
+    import gc
+
+    impl = backend.Impl(H, D, D ** -0.5, KVH)
+    b = backend.Builder(spec(), LAYERS, vllm_config({"pool_blocks": 3, "tile_blocks": 1},
+                                                    impls=dict.fromkeys(LAYERS, impl)), torch.device("cpu"))
+    k, cache, layer = torch.zeros(1, KVH, D), torch.zeros(4, KVH, BS, 2 * D), SimpleNamespace(layer_name=LAYERS[1])
+    impl.do_kv_cache_update(layer, k, k, cache, torch.zeros(1, dtype=torch.int64))
+    assert b.engine.snapshot()["kv_update_calls"] == 1
+    del b
+    gc.collect()
+    with pytest.raises(ValueError, match="was not created or was released"):
+        impl.do_kv_cache_update(layer, k, k, cache, torch.zeros(1, dtype=torch.int64))
+
+
+def test_a_static_forward_context_that_is_no_dict_is_named() -> None:
+    cfg = vllm_config({"pool_blocks": 3, "tile_blocks": 1})
+    cfg.compilation_config.static_forward_context = [LAYERS[0]]
+    with pytest.raises(TypeError, match=r"compilation_config.static_forward_context must be a dict .*got \["):
+        backend.Builder(spec(), LAYERS, cfg, torch.device("cpu"))
+
+
+def test_key_min_and_key_max_are_in_the_kv_dtype() -> None:
+    e = backend.Engine(1, H, KVH, D, BS, torch.bfloat16, 4, 2)
+    k = torch.randn(3, KVH, D).to(torch.bfloat16)
+    e.update_kv(0, k, k, torch.zeros(2, KVH, BS, 2 * D, dtype=torch.bfloat16), torch.arange(3))
+    assert e.key_min(0).dtype == e.key_max(0).dtype == torch.bfloat16
+    for doc in (backend.Engine.key_min.__doc__, backend.Engine.key_max.__doc__):
+        assert "in the KV dtype" in doc and "float32" not in doc
+
+
+def test_engine_build_takes_the_engines_argument_order() -> None:
+    """Engine.build(query_start_loc, seq_lens, block_table, num_reqs, num_actual_tokens), as the C++ build: rows past
+    num_reqs (vLLM's padding) are not planned."""
+    e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
+    plan = e.build(torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([3, 5], dtype=torch.int32),
+                   torch.zeros(2, 1, dtype=torch.int32), 1, 1)
+    assert (plan.num_reqs, plan.num_actual_tokens, plan.seq_lens.tolist()) == (1, 1, [3])
+    signature = backend.Engine.build.__doc__.split("\n")[0]
+    assert signature.index("block_table") < signature.index("num_reqs") < signature.index("num_actual_tokens")

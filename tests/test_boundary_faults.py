@@ -89,7 +89,7 @@ def test_build_rejects_meta_index_tensors(name: str) -> None:
             "block_table": torch.tensor([[0]])}
     args[name] = args[name].to(META)
     with pytest.raises(ValueError, match=f"{name} must hold data"):
-        e.build(args["query_start_loc"], args["seq_lens"], args["block_table"], 1)
+        e.build(args["query_start_loc"], args["seq_lens"], args["block_table"], 1, 1)
 
 
 def test_build_rejects_a_negative_block_id_in_a_used_column() -> None:
@@ -97,8 +97,8 @@ def test_build_rejects_a_negative_block_id_in_a_used_column() -> None:
     anything: vLLM pads them)."""
     e = backend.Engine(1, 2, 1, 4, 2, torch.float32, 2, 1)
     with pytest.raises(IndexError, match=r"block_table\[0, 1\] must be a block id >= 0, got -1"):
-        e.build(torch.tensor([0, 1]), torch.tensor([3]), torch.tensor([[0, -1, 5]]), 1)
-    plan = e.build(torch.tensor([0, 1]), torch.tensor([3]), torch.tensor([[0, 1, -1]]), 1)
+        e.build(torch.tensor([0, 1]), torch.tensor([3]), torch.tensor([[0, -1, 5]]), 1, 1)
+    plan = e.build(torch.tensor([0, 1]), torch.tensor([3]), torch.tensor([[0, 1, -1]]), 1, 1)
     assert plan.num_reqs == 1
 
 

@@ -26,11 +26,11 @@ def step(e: backend.Engine, seed: int, blocks: int = 6):
     slots = torch.tensor([int(table[0, p // BS]) * BS + p % BS for p in range(seq + 1)])
     k, v, q = (torch.randn(seq + 1, n, D, generator=g) for n in (KVH, KVH, H))
     e.update_kv(0, k[:seq], v[:seq], cache, slots[:seq])
-    plan = e.build(torch.tensor([0, seq], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32), table, seq)
+    plan = e.build(torch.tensor([0, seq], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32), table, 1, seq)
     out1 = torch.zeros(seq, H, D)
     e.forward(0, plan, q[:seq], cache, out1, D ** -0.5)
     e.update_kv(0, k[seq:], v[seq:], cache, slots[seq:])
-    plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq + 1], dtype=torch.int32), table, 1)
+    plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq + 1], dtype=torch.int32), table, 1, 1)
     out2 = torch.zeros(1, H, D)
     e.forward(0, plan, q[seq:], cache, out2, D ** -0.5)
     return out1, out2, cache
@@ -116,7 +116,7 @@ def test_two_threads_run_native_forward_concurrently_with_correct_results() -> N
         e.update_kv(0, torch.randn(1000, KVH, D, generator=g), torch.randn(1000, KVH, D, generator=g), cache,
                     torch.arange(1000))
         plan = e.build(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([1000], dtype=torch.int32),
-                       torch.arange(64, dtype=torch.int32)[None], 4)
+                       torch.arange(64, dtype=torch.int32)[None], 1, 4)
         q = torch.randn(4, H, D, generator=g)
         want = torch.zeros(4, H, D)
         e.forward(0, plan, q, cache, want, 0.125)

@@ -48,7 +48,7 @@ def run(cell: Cell, kernel: str, selections: list | None = None,
               for _ in range(NUM_LAYERS)]
     outs = []
     for st in make_steps(cell, nb):
-        plan = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
+        plan = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_reqs, st.num_actual_tokens)
         for layer in range(NUM_LAYERS):
             eng.update_kv(layer, st.k[layer], st.v[layer], caches[layer], st.slot_mapping)
             out = torch.full_like(st.q[layer], 7.0)
@@ -150,7 +150,7 @@ def run_many_selecting_rows(kernel: str, threads: int) -> tuple[torch.Tensor, di
         eng.update_kv(0, k, v, cache, slots)
         last = torch.arange(rows) * nb * bs + nb * bs - 1  # each row's decode token: its last key
         plan = eng.build(torch.arange(rows + 1, dtype=torch.int32), torch.full((rows,), nb * bs, dtype=torch.int32),
-                         block_table, rows)
+                         block_table, rows, rows)
         eng.update_kv(0, k[last], v[last], cache, slots[last])
         out = torch.full_like(q, 7.0)
         eng.forward(0, plan, q, cache, out, d ** -0.5)

@@ -58,7 +58,7 @@ class Run:
                     self.expected_tiles += (nb + TB - 1) // TB
         tokens = qsl[-1]
         plan = self.e.build(torch.tensor(qsl, dtype=torch.int32), torch.tensor(self.lens, dtype=torch.int32),
-                            self.table, tokens)
+                            self.table, len(new), tokens)
         outs = []
         for layer in range(LAYERS):
             k = torch.randn(tokens, KVH, D, generator=self.gen)
@@ -96,7 +96,7 @@ def test_a_plan_is_checked_against_each_forwards_cache() -> None:
     64-block one serves it; the same plan then still refuses the smaller cache."""
     e = engine("native")
     plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([BS + 1], dtype=torch.int32),
-                   torch.tensor([[3, 40]], dtype=torch.int32), 1)
+                   torch.tensor([[3, 40]], dtype=torch.int32), 1, 1)
     small, big = torch.zeros(32, KVH, BS, 2 * D), torch.zeros(64, KVH, BS, 2 * D)
     q, out = torch.randn(1, H, D), torch.zeros(1, H, D)
     before = e.snapshot()

@@ -121,7 +121,7 @@ def test_reused_pool_slot_is_not_overwritten_before_attention_reads_it(transfer:
     q = torch.randn(1, 8, 128, device="cuda")
     out = torch.empty_like(q)
     plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([ctx], dtype=torch.int32),
-                     torch.arange(64, dtype=torch.int32).view(1, 64), 1)
+                     torch.arange(64, dtype=torch.int32).view(1, 64), 1, 1)
     torch.cuda._sleep(200_000_000)
     eng.forward(0, plan, q, kv, out, 128 ** -0.5)
     torch.cuda.synchronize()
@@ -143,7 +143,7 @@ def test_one_host_to_device_copy_per_batch_not_per_block(transfer: str) -> None:
         _prefill(eng, kv, 16 * 128)
         q = torch.randn(1, 8, 128, device="cuda")
         plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([16 * 128], dtype=torch.int32),
-                         torch.arange(128, dtype=torch.int32).view(1, 128), 1)
+                         torch.arange(128, dtype=torch.int32).view(1, 128), 1, 1)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             eng.forward(0, plan, q, kv, torch.empty_like(q), 128 ** -0.5)
@@ -212,7 +212,7 @@ def _replay(cell: Cell, kernel: str) -> list[torch.Tensor]:
               for _ in range(NUM_LAYERS)]
     outs = []
     for st in make_steps(cell, nb):
-        plan = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_actual_tokens)
+        plan = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_reqs, st.num_actual_tokens)
         for layer in range(NUM_LAYERS):
             q, k, v = (x[layer].cuda() for x in (st.q, st.k, st.v))
             eng.update_kv(layer, k, v, caches[layer], st.slot_mapping)

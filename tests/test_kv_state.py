@@ -454,7 +454,7 @@ def run_forward(engine: backend.Engine, cache: torch.Tensor, row: list[int], seq
     gen = torch.Generator().manual_seed(seed)
     query = torch.randn(num_q, NUM_HEADS, HEAD_SIZE, generator=gen).to(dtype)
     plan = engine.build(torch.tensor([0, num_q], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32),
-                        torch.tensor([row], dtype=torch.int32), num_q)
+                        torch.tensor([row], dtype=torch.int32), 1, num_q)
     output = torch.zeros(num_q, NUM_HEADS, HEAD_SIZE, dtype=dtype)
     engine.forward(0, plan, query, cache, output, HEAD_SIZE**-0.5)
     return query, output

@@ -428,7 +428,7 @@ def test_check_pool_reports_an_incoherent_slot_and_a_stale_resident_block() -> N
     keys, values = (torch.randn(seq, NUM_KV_HEADS, HEAD_SIZE, generator=gen) for _ in range(2))
     engine.update_kv(0, keys, values, cache, torch.arange(seq))
     plan = engine.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
-                        torch.arange(nb, dtype=torch.int32).view(1, nb), 1)
+                        torch.arange(nb, dtype=torch.int32).view(1, nb), 1, 1)
     engine.forward(0, plan, torch.randn(1, heads, HEAD_SIZE, generator=gen), cache,
                    torch.zeros(1, heads, HEAD_SIZE), HEAD_SIZE ** -0.5)
     h = _FakeHarness(engine, cache.view(nb, NUM_KV_HEADS, 2, BLOCK_SIZE, HEAD_SIZE))

@@ -44,7 +44,7 @@ def drive(engine: backend.Engine, seq_len: int = 3 * BLOCK_SIZE - 1, padding: in
     engine.update_kv(0, key, value, cache, torch.tensor(list(range(seq_len)) + [-1] * padding))
     nb = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
     plan = engine.build(torch.tensor([0, seq_len], dtype=torch.int32), torch.tensor([seq_len], dtype=torch.int32),
-                        torch.tensor([list(range(nb))], dtype=torch.int32), seq_len)
+                        torch.tensor([list(range(nb))], dtype=torch.int32), 1, seq_len)
     query = torch.randn(seq_len, NUM_HEADS, HEAD_SIZE, generator=gen)
     output = torch.empty(seq_len, NUM_HEADS, HEAD_SIZE)
     engine.forward(0, plan, query, cache, output, HEAD_SIZE**-0.5)
@@ -181,7 +181,7 @@ def test_a_step_plan_keeps_its_engine_alive() -> None:
     ids_before = set(live_ids())
     engine = make_engine()
     plan = engine.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
-                        torch.tensor([[0]], dtype=torch.int32), 1)
+                        torch.tensor([[0]], dtype=torch.int32), 1, 1)
     (new_id,) = set(live_ids()) - ids_before
     del engine
     gc.collect()
@@ -260,3 +260,11 @@ def test_registry_in_a_fresh_process() -> None:
     """Absolute values: empty registry, ids from 0, sums over exactly the live engines."""
     proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_pool_to_host_bytes_help_says_what_it_counts() -> None:
+    """activekv_pool_to_host_bytes counts the new K/V a tiered engine's KV updates copy device -> host tier."""
+    families = {f.name: f for f in telemetry.Collector().collect()}
+    doc = families["activekv_pool_to_host_bytes"].documentation
+    assert "KV updates" in doc and "device to host" in doc and "today" not in doc
+    assert telemetry.METRIC_NAMES["bytes_d2h"] == "activekv_pool_to_host_bytes_total"

@@ -233,15 +233,17 @@ def activekv_column(case: Case, backend: Any, options: dict[str, Any],
     num_blocks = block_table.numel()
     spec = SimpleNamespace(block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=case.dtype,
                            sliding_window=None)
+    impl = backend.Impl(NUM_HEADS, HEAD_SIZE, case.scale, NUM_KV_HEADS)
+    # the attention layer as vLLM registers it: its impl (the patch's ActiveKVImpl) holds the native Impl
+    layer = SimpleNamespace(layer_name="bench.layers.0.attn", impl=SimpleNamespace(_native=impl))
     config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: NUM_HEADS),
                              parallel_config=None,
                              # what vLLM sets before it makes the builders: the scheduler's rows, the cache's blocks
                              scheduler_config=SimpleNamespace(max_num_seqs=case.batch),
                              cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
+                             compilation_config=SimpleNamespace(static_forward_context={layer.layer_name: layer}),
                              additional_config={"activekv": {**options, "tile_blocks": TILE_BLOCKS}})
-    layer = SimpleNamespace(layer_name="bench.layers.0.attn")
     builder = backend.Builder(spec, [layer.layer_name], config, torch.device("cpu"))
-    impl = backend.Impl(NUM_HEADS, HEAD_SIZE, case.scale, NUM_KV_HEADS)
     # vLLM's LBHNC per-layer view [num_blocks, num_kv_heads, block_size, 2 * head_size]; ActiveKV reads it as
     # [num_blocks, num_kv_heads, 2, block_size, head_size].
     kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=case.dtype)

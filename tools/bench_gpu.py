@@ -107,7 +107,7 @@ def decode_plan(eng, batch: int, ctx: int):
     nb = ctx // BS
     table = torch.arange(batch * nb, dtype=torch.int32).view(batch, nb)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    return eng.build(qsl, torch.full((batch,), ctx, dtype=torch.int32), table, batch)
+    return eng.build(qsl, torch.full((batch,), ctx, dtype=torch.int32), table, batch, batch)
 
 
 def fill_host(batch: int, ctx: int, pinned: bool) -> torch.Tensor:

@@ -210,7 +210,7 @@ def replay(call: LayerCall, engine: Any, rows: list[int] | None = None) -> Repla
         starts.append(starts[-1] + qsl[r + 1] - qsl[r])
     query = torch.cat([call.query[qsl[r]:qsl[r + 1]] for r in rows])
     plan = engine.build(torch.tensor(starts, dtype=torch.int32), call.seq_lens[rows].clone(),
-                        dense[rows].contiguous(), int(query.shape[0]))
+                        dense[rows].contiguous(), len(starts) - 1, int(query.shape[0]))
     output = torch.zeros_like(query)
     engine.forward(0, plan, query.contiguous(), cache, output, call.scale)
     selection = {int(r): call.block_ids.index_select(0, ids.reshape(-1)).view(ids.shape)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         table = torch.randperm(CACHE_BLOCKS)[: nreq * ROW_BLOCKS].to(torch.int32).view(nreq, ROW_BLOCKS)
         slots = torch.cat([table[r, torch.arange(n - q, n) // BLOCK_SIZE].long() * BLOCK_SIZE
                            + torch.arange(n - q, n) % BLOCK_SIZE for r, (n, q) in enumerate(zip(lens, qlens))])
-        plan = engine.build(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), table, tokens)
+        plan = engine.build(torch.tensor(qsl, dtype=torch.int32), torch.tensor(lens, dtype=torch.int32), table, len(lens), tokens)
         for layer in range(LAYERS):
             engine.update_kv(layer, torch.randn(tokens, KV_HEADS, HEAD_SIZE), torch.randn(tokens, KV_HEADS, HEAD_SIZE),
                              caches[layer], slots)

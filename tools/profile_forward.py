@@ -34,15 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     pool = max(TILE, nb // args.pool_fraction)
     options = {"pool_blocks": pool} if args.mode == "exact" else dict(COMPRESSED)
     spec = SimpleNamespace(block_size=BS, num_kv_heads=KVH, head_size=D, dtype=torch.float32, sliding_window=None)
+    impl = backend.Impl(H, D, D ** -0.5, KVH)
+    # the attention layer as vLLM registers it: its impl (the patch's ActiveKVImpl) holds the native Impl
+    layer = SimpleNamespace(layer_name="profile.layers.0.attn", impl=SimpleNamespace(_native=impl))
     cfg = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: H),
                           parallel_config=None,
                           # as vLLM sets them before it makes the builders (compressed mode's default pool reads them)
                           scheduler_config=SimpleNamespace(max_num_seqs=args.batch),
                           cache_config=SimpleNamespace(num_gpu_blocks=nb),
+                          compilation_config=SimpleNamespace(static_forward_context={layer.layer_name: layer}),
                           additional_config={"activekv": {**options, "tile_blocks": TILE}})
-    layer = SimpleNamespace(layer_name="profile.layers.0.attn")
     builder = backend.Builder(spec, [layer.layer_name], cfg, torch.device("cpu"))
-    impl = backend.Impl(H, D, D ** -0.5, KVH)
     cache = torch.zeros(nb, KVH, BS, 2 * D)
     table = torch.randperm(nb, dtype=torch.int32).view(args.batch, per_row)
     slots = (table.long().unsqueeze(-1) * BS + torch.arange(BS)).view(-1)

@@ -104,7 +104,7 @@ def planted_needle_recall(block_size: int, context_blocks: int, budget_blocks: i
         slots = (table.long().repeat_interleave(block_size) * block_size + torch.arange(seq) % block_size)
         eng.update_kv(0, keys, torch.randn(seq, kvh, d, generator=g), cache, slots)
         plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
-                         table[None], 1)
+                         table[None], 1, 1)
         eng.forward(0, plan, q, cache, torch.empty(1, kvh * gqa, d), d ** -0.5)
         chosen = eng.selection(0)[0]
         for h in range(kvh):
@@ -439,7 +439,7 @@ def measure_spread() -> dict[str, Any]:
         cache = torch.zeros(nb, kvh, BLOCK_SIZE, 2 * d)
         eng.update_kv(0, keys, values, cache, slots)
         plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
-                         table[None], 1)
+                         table[None], 1, 1)
         out = torch.zeros(1, kvh * gqa, d)
         eng.forward(0, plan, q, cache, out, scale)
         return out[0]

@@ -71,7 +71,7 @@ class Series:
         series_file = directory / "series"
         if not series_file.is_file():
             raise PatchError(f"no series file in {directory}")
-        # Lines as the launcher's loader reads them (bindings/series/patch_series.cpp): split at "\n", trimmed of
+        # Lines as the launcher's loader reads them (series/patch_series.cpp): split at "\n", trimmed of
         # spaces, tabs and CRs; blank lines and '#' comments skipped; every other line one patch file name.
         names: list[str] = []
         with series_file.open(newline="") as f:  # no newline translation: a lone "\r" ends no line there either

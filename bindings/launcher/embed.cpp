@@ -336,7 +336,7 @@ int vllm_main(const std::string& subcommand, const std::vector<const char*>& arg
     argv.push_back("ACTIVEKV");
   }
 
-  // Endpoint plugins load only when VLLM_PLUGINS names them (vllm/plugins/__init__.py, load_endpoint_plugins):
+  // Endpoint plugins load only when VLLM_PLUGINS names them (vLLM's load_endpoint_plugins):
   // allowlist ActiveKV's (docs/async-native.md) without changing which other plugins load. vLLM reads it from
   // os.environ, which Python builds from this process's environment at start-up; spawned processes inherit it.
   if (subcommand == "serve") {
@@ -356,7 +356,7 @@ int vllm_main(const std::string& subcommand, const std::vector<const char*>& arg
                                               const_cast<char* const*>(argv.data()));
   // The environment's interpreter as sys.executable: multiprocessing's spawn (vLLM's workers) re-executes it, and
   // CPython's path calculation finds the venv from it (its pyvenv.cfg), so sys.prefix and site-packages are the
-  // environment's. Set once, before vLLM starts (vllm/utils/numa_utils.py asserts nobody changed it since).
+  // environment's. Set once, before vLLM starts (vLLM's NUMA utilities assert nobody changed it since).
   if (!api.status_exception(status)) {
     status = api.config_set_bytes_string(&config, &config.program_name, env.python.c_str());
   }

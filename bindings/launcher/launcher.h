@@ -65,7 +65,7 @@ PluginsDecision plugins_allowlist(const char* current, const Environment& env);
 /// `activekv serve|run-batch ARGS...`: vLLM's CLI in-process; argv entries are raw bytes, decoded as Python would.
 int vllm_main(const std::string& subcommand, const std::vector<const char*>& args, const Environment& env);
 
-// Small helpers shared by the launcher's files (bindings/series/patch_series.cpp).
+// Small helpers shared by the launcher's files (series/patch_series.cpp).
 using series::dirname;
 using series::is_dir;
 using series::is_file;

@@ -10,7 +10,7 @@
 // Refused everywhere: a vLLM whose version is not the series' and a series already applied (apply) or not applied
 // (revert). Exit codes: 0 done, 1 refused or failed (the message says why), 2 bad usage.
 // Reading the series and each patch's state (the Series and Tree types, `git apply --check`) and the ACTIVEKV backend
-// check are bindings/series/patch_series.cpp, shared with the `_backend` module's start-up check.
+// check are series/patch_series.cpp, shared with the `_backend` module's start-up check.
 #include <unistd.h>
 
 #include <cstdio>

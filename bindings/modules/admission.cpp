@@ -54,9 +54,6 @@ void check_quest_inputs(const at::Tensor& q, const at::Tensor& key_min, const at
 PYBIND11_MODULE(_admission, m) {
   m.doc() = "ActiveKV admission policy: exact tiles, LRU eviction of unpinned slots, compressed-mode block selection.";
   activekv::py_glue::register_exceptions(m);
-  py::enum_<activekv::Mode>(m, "Mode", "Admission modes.")
-      .value("EXACT", activekv::Mode::kExact)
-      .value("COMPRESSED", activekv::Mode::kCompressed);
   m.def(
       "select_blocks",
       [](const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& row_blocks,
@@ -87,7 +84,10 @@ PYBIND11_MODULE(_admission, m) {
       py::arg("q"), py::arg("key_min"), py::arg("key_max"), py::arg("ids"), py::arg("native") = false,
       py::call_guard<py::gil_scoped_release>(),
       "Quest bound of blocks ids for every KV head: float32 [num_kv_heads, len(ids)]; native=True: the CPU kernel.");
-  m.def("parse_mode", &activekv::parse_mode, py::arg("name"), "Mode from its option spelling; ValueError if unknown.");
+  // A mode is its option spelling everywhere in Python (Engine(mode=...), Engine.mode, additional_config).
+  m.def(
+      "parse_mode", [](const std::string& name) { return std::string(activekv::mode_name(activekv::parse_mode(name))); },
+      py::arg("name"), "The mode's option spelling, 'exact' or 'compressed', checked; ValueError for any other str.");
   m.def(
       "exact_tiles",
       [](const at::Tensor& block_row, int64_t num_blocks, int64_t tile_blocks) {

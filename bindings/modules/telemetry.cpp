@@ -1,12 +1,10 @@
 // activekv._telemetry: snapshots of the live ActiveKV engines of this process and of its descendant processes
 // (engine/include/activekv/telemetry.h), and the Prometheus side of vLLM's stat-logger contract: a collector whose
-// collect() turns those snapshots into activekv_* metric families at scrape time.
+// collect() exposes the engine's activekv_* metric families (prometheus_families) at scrape time, with its labels.
 #include <activekv/telemetry.h>
 #include <activekv_py/common.h>
 
 #include <algorithm>
-#include <charconv>
-#include <cmath>
 #include <cstdio>
 #include <optional>
 
@@ -16,37 +14,6 @@ using activekv::py_glue::snapshot_to_dict;
 namespace {
 
 // Prometheus names of the counters (snapshot key -> metric family name without _total, unit, help).
-struct CounterSpec {
-  const char* key;
-  const char* family;
-  const char* unit;
-  const char* help;
-};
-const CounterSpec kCounterSpecs[] = {
-    {"build_calls", "activekv_build_calls", "", "Native build entries: one per vLLM step with attention metadata."},
-    {"kv_update_calls", "activekv_kv_update_calls", "", "Native KV-update entries: one per layer per step."},
-    {"forward_calls", "activekv_forward_calls", "", "Native forward entries with a step plan: one per layer per step."},
-    {"forward_skipped", "activekv_forward_skipped", "", "Forward entries without metadata (vLLM warm-up/profiling)."},
-    {"request_rows", "activekv_request_rows", "", "Request rows planned by build, summed over steps."},
-    {"tokens_written", "activekv_tokens_written", "", "Tokens written into the host tier (padding excluded)."},
-    {"padding_slots", "activekv_padding_slots", "", "Slot-mapping entries of -1 (PAD_SLOT_ID) skipped."},
-    {"write_through_tokens", "activekv_write_through_tokens", "", "Tokens also written into a resident pool copy."},
-    {"blocks_admitted", "activekv_blocks_admitted", "", "KV blocks copied from the host tier into the active pool."},
-    {"blocks_evicted", "activekv_blocks_evicted", "", "Resident KV blocks evicted (LRU, unpinned) to make room."},
-    {"blocks_hit", "activekv_blocks_hit", "", "KV blocks found resident in the pool when a tile asked for them."},
-    {"bytes_h2d", "activekv_host_to_pool_bytes", "bytes", "Bytes copied from the host tier into the active pool."},
-    {"bytes_d2h", "activekv_pool_to_host_bytes", "bytes", "Bytes copied from the pool to the host tier (0 today)."},
-    {"tiles_computed", "activekv_tiles_computed", "", "Attention tiles computed (one per request row per tile)."},
-    {"host_rebinds", "activekv_host_rebinds", "", "Times a layer's host tier changed storage and its pool was reset."},
-    {"compressed_rows", "activekv_compressed_rows", "", "Compressed mode: decode rows that attended a selection."},
-    {"compressed_context_blocks", "activekv_compressed_context_blocks", "",
-     "Compressed mode: blocks the selecting rows' contexts held."},
-    {"selected_blocks", "activekv_selected_blocks", "",
-     "Compressed mode: blocks attended, summed over selecting rows and KV heads."},
-    {"union_blocks", "activekv_union_blocks", "",
-     "Compressed mode: blocks admitted for selecting rows (union over KV heads)."},
-};
-
 // A sample, shaped as prometheus_client's Sample named tuple (the fields its exposition code reads).
 struct Sample {
   std::string name;
@@ -60,81 +27,25 @@ struct MetricFamily {
   py::list samples;
 };
 
-py::dict labels_with(const py::dict& base, const char* key = nullptr, const std::string& value = "") {
-  py::dict d;
-  for (auto item : base) d[item.first] = item.second;
-  if (key != nullptr) d[key] = value;
-  return d;
-}
-
-std::string go_float(double v) {
-  if (std::isinf(v)) return "+Inf";
-  char buf[32];
-  const auto res = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form, as Python's repr
-  std::string s(buf, res.ptr);
-  // prometheus_client writes integral bounds as 1.0, 2.0, ...: keep the same label values.
-  if (s.find_first_of(".e") == std::string::npos) s += ".0";
-  return s;
-}
-
-void add_sample(MetricFamily& f, const std::string& name, const py::dict& labels, double value) {
-  f.samples.append(py::cast(Sample{name, labels, value}));
-}
-
-// Histogram with bucket bounds and sum multiplied by `scale` (microseconds -> seconds).
-MetricFamily histogram_family(const std::string& name, const std::string& unit, const std::string& help,
-                              const activekv::Histogram& h, double scale, const py::dict& labels) {
-  MetricFamily f{name, help, unit, "histogram", py::list()};
-  int64_t cumulative = 0;
-  for (int b = 0; b < activekv::Histogram::kBuckets; ++b) {
-    cumulative += h.counts[b];
-    add_sample(f, name + "_bucket", labels_with(labels, "le", go_float(activekv::Histogram::upper_bound(b) * scale)),
-               static_cast<double>(cumulative));
-  }
-  add_sample(f, name + "_count", labels, static_cast<double>(cumulative));
-  add_sample(f, name + "_sum", labels, h.sum * scale);
-  return f;
-}
-
-// Every activekv_* family from the merged snapshot of this process tree.
+// The engine's activekv_* families of this process tree (prometheus_families), each sample with the collector's
+// labels (and its bucket's le).
 py::list families(const py::dict& labels) {
-  std::vector<activekv::PublishedTelemetry> published;
+  std::vector<activekv::MetricFamily> native;
   {
     py::gil_scoped_release release;
-    published = activekv::snapshot_process_tree();
+    native = activekv::prometheus_families(activekv::snapshot_process_tree());
   }
-  std::vector<activekv::TelemetrySnapshot> all;
-  for (auto& p : published) all.push_back(std::move(p.snapshot));
-  const activekv::TelemetrySnapshot total = activekv::merge_snapshots(all);
   py::list out;
-  for (const auto& spec : kCounterSpecs) {
-    int64_t value = 0;
-    for (const auto& [k, v] : total.counters)
-      if (k == spec.key) value = v;
-    MetricFamily f{spec.family, spec.help, spec.unit, "counter", py::list()};
-    add_sample(f, std::string(spec.family) + "_total", labels, static_cast<double>(value));
-    out.append(py::cast(std::move(f)));
+  for (const auto& f : native) {
+    MetricFamily family{f.name, f.help, f.unit, f.type, py::list()};
+    for (const auto& s : f.samples) {
+      py::dict l;
+      for (auto item : labels) l[item.first] = item.second;
+      if (!s.le.empty()) l["le"] = s.le;
+      family.samples.append(py::cast(Sample{s.name, l, s.value}));
+    }
+    out.append(py::cast(std::move(family)));
   }
-  activekv::Histogram latency, admitted;
-  for (const auto& [k, h] : total.histograms) {
-    if (k == "forward_latency_us") latency = h;
-    if (k == "blocks_admitted_per_forward") admitted = h;
-  }
-  out.append(py::cast(histogram_family("activekv_forward_latency_seconds", "seconds",
-                                       "Latency of one native forward (one layer, one step), wall clock.", latency,
-                                       1e-6, labels)));
-  out.append(py::cast(histogram_family("activekv_blocks_admitted_per_forward", "",
-                                       "KV blocks copied into the pool by one native forward (one layer, one step).",
-                                       admitted, 1.0, labels)));
-  int64_t layers = 0;
-  for (const auto& [k, v] : total.info)
-    if (k == "num_layers") layers = v;
-  MetricFamily engines{"activekv_engines", "Live ActiveKV engines in this server's processes.", "", "gauge", py::list()};
-  add_sample(engines, "activekv_engines", labels, static_cast<double>(published.size()));
-  out.append(py::cast(std::move(engines)));
-  MetricFamily nl{"activekv_layers", "Attention layers served by the live ActiveKV engines.", "", "gauge", py::list()};
-  add_sample(nl, "activekv_layers", labels, static_cast<double>(layers));
-  out.append(py::cast(std::move(nl)));
   return out;
 }
 
@@ -279,7 +190,7 @@ PYBIND11_MODULE(_telemetry, m) {
     names.append(activekv::counter_name(static_cast<activekv::Counter>(i)));
   m.attr("COUNTERS") = py::tuple(names);
   py::dict metric_names;
-  for (const auto& spec : kCounterSpecs) metric_names[spec.key] = std::string(spec.family) + "_total";
+  for (const auto& [key, sample] : activekv::prometheus_counter_names()) metric_names[py::str(key)] = sample;
   m.attr("METRIC_NAMES") = metric_names;
 
   py::class_<Sample>(m, "Sample", "One exposition sample (the fields of prometheus_client's Sample).")

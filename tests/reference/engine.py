@@ -247,8 +247,8 @@ class RefEngine:
         return host
 
     def build(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-              num_actual_tokens: int, num_reqs: int | None = None) -> RefPlan:
-        n = seq_lens.shape[0] if num_reqs is None else num_reqs
+              num_reqs: int, num_actual_tokens: int) -> RefPlan:
+        n = num_reqs
         self.counters["build_calls"] += 1
         self.counters["request_rows"] += n
         # step_plan.cpp plan_step: the block ids of every row with query tokens, and the exact tiles of the rows that

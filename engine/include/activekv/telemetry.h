@@ -109,7 +109,6 @@ class Telemetry {
   void observe_forward_latency_us(double us);
   void observe_blocks_admitted(int64_t blocks);
   void set_gauge(Gauge g, int64_t value);
-  void add_gauge(Gauge g, int64_t delta);
   /// Record a static fact of the engine, reported in every snapshot's info (e.g. num_layers).
   void set_info(const std::string& key, int64_t value);
   TelemetrySnapshot snapshot() const;
@@ -179,6 +178,30 @@ void expect_descendant_telemetry_json(const std::string& path);
 /// with their process (never destroyed) and asked for telemetry_json get their file written (the API server calls
 /// this: vLLM's engine-core process ends with os._exit, which runs no destructor and no atexit handler).
 void collect_ended_descendants_at_exit();
+
+/// One Prometheus sample of a family: its sample name (the family's, or with _total, _bucket, _count or _sum), the
+/// value of its `le` label (a histogram bucket's upper bound as prometheus_client writes it: "1.0", ..., "+Inf"; empty
+/// on samples without one) and its value.
+struct MetricSample {
+  std::string name;
+  std::string le;
+  double value = 0;
+};
+
+/// One Prometheus metric family (the fields of prometheus_client's Metric): name, help text, unit, type ("counter",
+/// "histogram" or "gauge") and samples. The binding adds the caller's labels and exposes it.
+struct MetricFamily {
+  std::string name, help, unit, type;
+  std::vector<MetricSample> samples;
+};
+
+/// Every activekv_* family from the telemetry of a process tree (snapshot_process_tree()): a counter per Counter
+/// (activekv_<name>_total, summed), the forward latency histogram in seconds and the blocks admitted per forward
+/// histogram, and two gauges: activekv_engines (how many engines published) and activekv_layers (layers they serve).
+std::vector<MetricFamily> prometheus_families(const std::vector<PublishedTelemetry>& published);
+
+/// (counter snapshot key, its Prometheus sample name activekv_..._total), in Counter order.
+std::vector<std::pair<std::string, std::string>> prometheus_counter_names();
 
 /// The snapshot as one JSON object: {"counters": {...}, "histograms": {name: {"le": [...], "counts": [...],
 /// "count": n, "sum": s}}, "info": {...}} (the last `le` is the string "+Inf"), and "gauges": {...} after "info"

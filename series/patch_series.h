@@ -1,8 +1,9 @@
 #pragma once
 // The vLLM patch series, read and checked natively: which patches of a series are applied to a vLLM tree, and whether
-// the ACTIVEKV backend can run there. Pure C++ (no Python headers, no pybind11): a static library linked into the
-// `activekv` launcher (bindings/launcher/, which also applies and reverts the series) and into the `_backend` module
-// (bindings/modules/backend.cpp, the start-up check a Python user's vLLM process runs).
+// the ACTIVEKV backend can run there. Pure C++ (no Python headers, no pybind11): the static library series/, linked
+// into the `activekv` launcher (bindings/launcher/, which also applies and reverts the series) and into the `_backend`
+// module (bindings/modules/backend_series.cpp: the start-up check of series/startup.h a Python user's vLLM process
+// runs). patch_series.cpp reads and checks; verdict.cpp draws the verdicts (the launcher's marker, the problem texts).
 //
 // Every check drives git as a subprocess (posix_spawn, `git apply --check [--reverse]`): it reads files and never
 // changes anything. Errors are thrown as PatchError, whose message says what was expected and what was found.

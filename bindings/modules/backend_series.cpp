@@ -1,0 +1,138 @@
+// activekv._backend, the patch series half: the start-up check that the vLLM this process imported carries this
+// wheel's patch series (series/startup.h, the check `activekv serve` runs before Python starts), the same check on a
+// given tree, the launcher's marker, and vLLM's general plugin that warns when the series is missing.
+#include <activekv_py/backend_parts.h>
+#include <activekv_py/common.h>
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "patch_series.h"
+#include "startup.h"
+
+namespace activekv::py_glue {
+
+namespace {
+
+namespace series = activekv::series;
+
+/// Where the wheel installs the series: <package dir>/patches/vllm/v<version> next to this extension module
+/// (CMakeLists.txt installs both under activekv/; the launcher's default_patch_dir is the same folder). The module's
+/// file comes from the loader (dladdr on one of its functions), not from Python.
+std::string installed_patch_dir() {
+  Dl_info info{};
+  if (::dladdr(reinterpret_cast<void*>(&installed_patch_dir), &info) == 0 || info.dli_fname == nullptr) return {};
+  return series::join(series::dirname(info.dli_fname), "patches/vllm/v" + series::series_vllm_version());
+}
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::optional<std::string>(v) : std::nullopt;
+}
+
+/// series::decide_startup_problem for the vLLM this process imported (sys.modules['vllm'].__file__); "" when no vLLM
+/// is imported (the bindings driven directly, as the tests and tools do: nothing to compare, nothing decided). Reads
+/// sys.modules and the environment, imports nothing; git runs without the GIL.
+std::string patched_vllm_problem() {
+  if (auto decided = series::decided_startup_problem()) return *decided;
+  PyObject* modules = PySys_GetObject("modules");  // borrowed
+  PyObject* vllm = modules != nullptr && PyDict_Check(modules) ? PyDict_GetItemString(modules, "vllm") : nullptr;
+  if (vllm == nullptr) return "";
+  series::StartupInputs in;
+  const py::object file = py::getattr(py::handle(vllm), "__file__", py::none());
+  if (py::isinstance<py::str>(file)) in.vllm_file = file.cast<std::string>();
+  in.vllm_file_repr = std::string(py::repr(file));
+  in.skip = env(series::kSkipCheckVar);
+  in.verified = env(series::kVerifiedVar);
+  in.patch_dir = installed_patch_dir();
+  py::gil_scoped_release release;
+  return series::decide_startup_problem(in);
+}
+
+}  // namespace
+
+void require_patched_vllm() {
+  const std::string problem = patched_vllm_problem();
+  TORCH_CHECK(problem.empty(), problem);
+}
+
+void register_series(py::module_& m) {
+  m.def(
+      "check_patch_series",
+      [](const std::string& vllm_dir, std::optional<std::string> patch_dir) {
+        const std::string dir = patch_dir ? *patch_dir : installed_patch_dir();
+        series::SeriesVerdict v;
+        {
+          py::gil_scoped_release release;
+          v = series::series_verdict(vllm_dir, dir, "this vLLM");
+        }
+        TORCH_CHECK(v.problem.empty(), v.problem);
+        py::dict d;
+        d["vllm_root"] = v.check.root;
+        d["vllm_version"] = v.check.version;
+        d["patch_dir"] = v.check.series_dir;
+        d["patches"] = v.check.names;
+        d["state"] = v.check.state;
+        return d;
+      },
+      py::arg("vllm_dir"), py::arg("patch_dir") = py::none(),
+      "The check the backend runs once at start-up (first Impl or Builder) on the vLLM this process imported: the "
+      "vLLM tree at vllm_dir (a directory holding vllm/, or the vllm package directory) must be vLLM "
+      ACTIVEKV_VLLM_PATCH_VERSION " with every patch of the series in patch_dir applied (default: the series installed "
+      "with this module, <activekv>/patches/vllm/v" ACTIVEKV_VLLM_PATCH_VERSION "). Returns {vllm_root, vllm_version, "
+      "patch_dir, patches, state='applied'}. Raises RuntimeError naming what was expected, what was found (each "
+      "patch: applied, not applied, or matching neither side) and the fix; also when the check cannot run (no vllm "
+      "package there, no series, git missing). Runs `git apply --check`; changes nothing.");
+  m.def(
+      "verified_marker",
+      [](const std::string& vllm_dir, std::optional<std::string> patch_dir) {
+        namespace s = series;
+        const std::string dir = patch_dir ? *patch_dir : installed_patch_dir();
+        std::string marker, error;
+        {
+          py::gil_scoped_release release;
+          try {
+            marker = s::verified_marker(s::tree_root(vllm_dir), s::load_installed_series(dir));
+          } catch (const s::PatchError& e) {
+            error = e.what();
+          }
+        }
+        TORCH_CHECK(error.empty(), "cannot compute the ", s::kVerifiedVar, " value for ", vllm_dir, ": ", error);
+        return marker;
+      },
+      py::arg("vllm_dir"), py::arg("patch_dir") = py::none(),
+      "The ACTIVEKV_PATCH_VERIFIED value `activekv serve` / `run-batch` export after their patch series check passed "
+      "on the vLLM tree at vllm_dir (a directory holding vllm/, or the vllm package directory; str) with the series in "
+      "patch_dir (str; default: the series installed with this module), computed from the files as they are now by "
+      "the launcher's own function (series/patch_series.h, verified_marker): no check runs, no git. Returns "
+      "a str 'v1;vllm=" ACTIVEKV_VLLM_PATCH_VERSION ";state=fnv1a64:<16 hex digits>;tree=<root>;series=<series "
+      "dir>' (real paths; state is the FNV-1a 64-bit digest of the series and of the tree's files it touches), or '' "
+      "where a path cannot be written in that form (';' or a control character in it: the launcher exports no value "
+      "then). Raises RuntimeError when vllm_dir holds no vllm package, patch_dir holds no series (or it lists a "
+      "missing patch) or a file cannot be read; TypeError for arguments that are not str.");
+  // vLLM's general plugin group ("vllm.general_plugins", entry point in pyproject.toml): vLLM's
+  // load_general_plugins() calls it once per vLLM process at start-up (engine core, argument parsing, each worker),
+  // whichever attention backend is selected. On a vLLM the
+  // series is not applied to, vLLM never imports ActiveKV and selecting ACTIVEKV fails with vLLM's own "Unknown
+  // attention backend"; this puts ActiveKV's diagnosis and fix before it, as a warning (never an exception: a vLLM
+  // that does not use ActiveKV must still start).
+  m.def(
+      "vllm_general_plugin",
+      []() {
+        const std::string problem = patched_vllm_problem();
+        if (problem.empty()) return;
+        const std::string end = problem.back() == '.' ? " " : ". ";
+        const std::string msg = "ActiveKV is installed but " + problem + end +
+                                "Until then vLLM does not know the ACTIVEKV attention backend (selecting it fails "
+                                "with vLLM's 'Unknown attention backend'); other backends are not affected.";
+        if (PyErr_WarnEx(PyExc_RuntimeWarning, msg.c_str(), 1) != 0) throw py::error_already_set();
+      },
+      "vLLM's general plugin (entry point group vllm.general_plugins), called once per vLLM process at start-up: a "
+      "RuntimeWarning naming the problem and the fix when the vLLM this process imported does not carry this "
+      "ActiveKV's patch series (the check the first Impl / Builder makes, shared with it); nothing otherwise. Never "
+      "raises (unless warnings are made errors).");
+}
+
+}  // namespace activekv::py_glue

@@ -1,0 +1,131 @@
+// The vLLM backend's options (options.h): defaults, the checks of each value in the order a start-up meets them, the
+// compressed-mode default pool, and the engine of one metadata builder.
+#include <activekv/check.h>
+#include <activekv/options.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <charconv>
+#include <limits>
+
+namespace activekv {
+
+namespace {
+
+struct OptionSpec {
+  const char* name;
+  OptionKind kind;
+};
+// In the order the "known options" message lists them.
+constexpr OptionSpec kOptions[] = {
+    {"mode", OptionKind::kText},          {"pool_blocks", OptionKind::kInt},   {"tile_blocks", OptionKind::kInt},
+    {"kernel", OptionKind::kText},        {"budget_tokens", OptionKind::kInt}, {"sink_blocks", OptionKind::kInt},
+    {"recent_blocks", OptionKind::kInt},  {"telemetry_json", OptionKind::kPath},
+};
+
+std::string option_label(const std::string& name) { return "additional_config['activekv']['" + name + "']"; }
+
+// An int option in [0, 2^40], or `dflt` where it is absent. The text is the Python int's decimal digits, so the
+// message shows what the user wrote, however large.
+int64_t option_int(const OptionValues& options, const std::string& name, int64_t dflt) {
+  const auto it = options.find(name);
+  if (it == options.end()) return dflt;
+  const std::string& text = it->second;
+  int64_t x = -1;
+  const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), x);
+  const bool parsed = err == std::errc() && end == text.data() + text.size();
+  AKV_CHECK_VALUE(parsed && x >= 0 && x <= (int64_t{1} << 40), option_label(name), " must be in [0, 2^40], got ",
+                  text);
+  return x;
+}
+
+// The telemetry_json path can be written at shutdown: a file name in an existing, writable folder, not a folder.
+void check_telemetry_json(const std::string& path) {
+  const std::string label = option_label("telemetry_json");
+  AKV_CHECK_VALUE(!path.empty() && path.back() != '/', label, " must be a file path, got '", path, "'");
+  struct stat target {};
+  // A directory would only fail at shutdown (the rename over it), where no one sees the error.
+  AKV_CHECK_VALUE(::stat(path.c_str(), &target) != 0 || !S_ISDIR(target.st_mode), label, " must name a file, got '",
+                  path, "' (an existing directory)");
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  struct stat st {};
+  AKV_CHECK_VALUE(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(dir.c_str(), W_OK) == 0,
+                  "additional_config['activekv']['telemetry_json']: directory '", dir,
+                  "' must exist and be writable, got '", path, "'");
+}
+
+}  // namespace
+
+OptionKind option_kind(const std::string& name) {
+  for (const auto& o : kOptions)
+    if (name == o.name) return o.kind;
+  std::string known;
+  for (const auto& o : kOptions) known += (known.empty() ? "" : ", ") + std::string(o.name);
+  AKV_CHECK_VALUE(false, "unknown ActiveKV option ", option_label(name), "; known options: ", known);
+  return OptionKind::kText;
+}
+
+int64_t compressed_default_pool(int64_t union_blocks, int64_t max_num_seqs, int64_t num_gpu_blocks) {
+  const int64_t one_row = std::max(kDefaultPoolBlocks, union_blocks);
+  if (max_num_seqs < 1 || num_gpu_blocks < 1) return one_row;
+  const int64_t want = max_num_seqs > std::numeric_limits<int64_t>::max() / union_blocks
+                           ? std::numeric_limits<int64_t>::max()
+                           : max_num_seqs * union_blocks;
+  return std::max(one_row, std::min(want, num_gpu_blocks));
+}
+
+BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& group) {
+  BackendConfig out;
+  EngineConfig& cfg = out.engine;
+  const auto text = [&](const char* name) {
+    const auto it = options.find(name);
+    return it == options.end() ? std::string() : it->second;
+  };
+  // The engine's own messages name the setting ("mode must be ..."); at start-up, name the option the user wrote.
+  try {
+    cfg.mode = parse_mode(options.count("mode") ? text("mode") : std::string("exact"));
+    if (options.count("kernel")) cfg.kernel = parse_kernel(text("kernel"));
+  } catch (const c10::ValueError& e) {
+    AKV_CHECK_VALUE(false, "additional_config['activekv']: ", e.what_without_backtrace());
+  }
+  const int64_t tile_blocks = option_int(options, "tile_blocks", kDefaultTileBlocks);
+  AKV_CHECK_VALUE(tile_blocks >= 1, option_label("tile_blocks"), " must be >= 1, got ", tile_blocks);
+  // Name where an impossible geometry came from: the model's KV-cache spec, not an argument the user typed.
+  const auto from = c10::str("kv_cache_spec (block_size ", group.block_size, ", num_kv_heads ", group.num_kv_heads,
+                             ", head_size ", group.head_size, ", dtype ", group.dtype, ") with num_heads ",
+                             group.num_heads, ": ");
+  try {
+    cfg.geometry = Geometry(group.num_layers, group.num_heads, group.num_kv_heads, group.head_size, group.block_size,
+                            group.dtype, tile_blocks);
+  } catch (const c10::TypeError& e) {
+    C10_THROW_ERROR(TypeError, from + e.what_without_backtrace());
+  } catch (const c10::ValueError& e) {
+    C10_THROW_ERROR(ValueError, from + e.what_without_backtrace());
+  }
+  cfg.budget_tokens = option_int(options, "budget_tokens", cfg.budget_tokens);
+  cfg.sink_blocks = option_int(options, "sink_blocks", cfg.sink_blocks);
+  cfg.recent_blocks = option_int(options, "recent_blocks", cfg.recent_blocks);
+  const int64_t default_pool =
+      cfg.mode == Mode::kCompressed
+          ? compressed_default_pool(worst_case_union_blocks(cfg), group.max_num_seqs, group.num_gpu_blocks)
+          : kDefaultPoolBlocks;
+  cfg.pool_blocks = option_int(options, "pool_blocks", default_pool);
+  AKV_CHECK_VALUE(cfg.pool_blocks >= 1, option_label("pool_blocks"), " must be >= 1, got ", cfg.pool_blocks);
+  if (options.count("telemetry_json")) {
+    out.telemetry_json = text("telemetry_json");
+    check_telemetry_json(out.telemetry_json);
+  }
+  return out;
+}
+
+std::shared_ptr<Engine> make_backend_engine(const BackendConfig& config, const std::vector<std::string>& layer_names,
+                                            at::Device device) {
+  auto engine = std::make_shared<Engine>(config.engine, device);
+  if (!config.telemetry_json.empty()) engine->telemetry().set_json_path(config.telemetry_json);
+  engine->set_layer_names(layer_names);
+  return engine;
+}
+
+}  // namespace activekv
