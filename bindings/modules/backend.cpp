@@ -9,6 +9,7 @@
 #include <activekv/cpu_kernel.h>
 #include <activekv/engine.h>
 #include <activekv_py/common.h>
+#include <activekv_py/host_tier.h>
 #include <dlfcn.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -793,6 +794,7 @@ PYBIND11_MODULE(_backend, m) {
       "RuntimeWarning naming the problem and the fix when the vLLM this process imported does not carry this "
       "ActiveKV's patch series (the check the first Impl / Builder makes, shared with it); nothing otherwise. Never "
       "raises (unless warnings are made errors).");
+  activekv::py_glue::define_host_tier(m, &live_engines_for);  // backend_host_tier.cpp
   m.def("name", []() { return std::string("ACTIVEKV"); }, "The backend name vLLM selects.");
   m.def("cpu_kernel_capability", &activekv::cpu_kernel_capability,
         "CPU capability of the fast kernel in use: 'avx512', 'avx2' or 'default' (ATEN_CPU_CAPABILITY caps it).");
