@@ -90,13 +90,28 @@ void define_host_tier(py::module_& m, EnginesForLayer engines_for_layer) {
   m.def(
       "supports_compute_capability",
       [](py::handle capability) {
-        const auto major = capability.attr("major").cast<int64_t>();
-        const auto minor = capability.attr("minor").cast<int64_t>();
-        return cuda_capability_supported(major, minor);
+        // The series' CPU routing (0003) validates ACTIVEKV with device_capability=None: no CUDA device, nothing to
+        // refuse there.
+        if (capability.is_none()) return true;
+        int64_t part[2] = {0, 0};
+        const char* names[2] = {"major", "minor"};
+        for (int i = 0; i < 2; ++i) {
+          py::object v = py::none();
+          if (py::hasattr(capability, names[i])) v = capability.attr(names[i]);
+          int overflow = 1;
+          long long x = 0;
+          if (py::isinstance<py::int_>(v) && !py::isinstance<py::bool_>(v))
+            x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+          TORCH_CHECK_TYPE(overflow == 0, "capability must be None or a DeviceCapability with int major and minor, "
+                           "got ", std::string(py::repr(capability)));
+          part[i] = x;
+        }
+        return cuda_capability_supported(part[0], part[1]);
       },
       py::arg("capability"),
       "Whether ActiveKV runs on a CUDA device of this compute capability (vLLM's DeviceCapability: major, minor): "
-      "the built CUDA kernel's lowest architecture or newer; any, in a build without the kernel (ATen path).");
+      "the built CUDA kernel's lowest architecture or newer; any, in a build without the kernel (ATen path). True "
+      "for None, which vLLM's CPU platform passes.");
 }
 
 }  // namespace activekv::py_glue
