@@ -18,7 +18,7 @@ timed = t0=$$SECONDS; echo "[$@] $(1) ..."; set -o pipefail; $(2); rc=$$?; \
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel wheel-compat audit intake test sanitize demo bench bench-e2e docs profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
+.PHONY: help venv build wheel wheel-compat audit intake test sanitize demo bench bench-e2e docs profile parity quality census proof patch-vllm unpatch-vllm gpu-check gpu-vllm-pack gpu-vllm-check cuda-check clean
 
 help: ## list the targets
 	@echo "ActiveKV $(VERSION), for vLLM $(VLLM_VERSION) and torch $(TORCH_VERSION)"
@@ -121,12 +121,21 @@ GPU_OUT ?= build/gpu
 # nvcc's host code too (CUDAHOSTCXX).
 GPU_CC ?= /usr/bin/gcc
 GPU_CXX ?= /usr/bin/g++
-gpu-check: ## CUDA machine only (the device tool's H200): build with its python3's torch, run tests/test_gpu.py, then tools/bench_gpu.py
-	CC=$(GPU_CC) CXX=$(GPU_CXX) CUDAHOSTCXX=$(GPU_CXX) $(GPU_PY) -m pip install -q --no-build-isolation --no-deps \
-		--config-settings=build-dir=build/gpu-{wheel_tag} .
+GPU_BUILD = CC=$(GPU_CC) CXX=$(GPU_CXX) CUDAHOSTCXX=$(GPU_CXX) $(GPU_PY) -m pip install -q --no-build-isolation --no-deps \
+		--config-settings=build-dir=build/gpu-{wheel_tag} . && \
 	cd /tmp && $(GPU_PY) -c "import torch, activekv._backend as b; assert torch.cuda.is_available(); print('activekv', b.__version__, 'on', torch.cuda.get_device_name(), 'torch', torch.__version__)"
+gpu-check: ## CUDA machine only (the device tool's H200): build with its python3's torch, run tests/test_gpu.py, then tools/bench_gpu.py
+	$(GPU_BUILD)
 	$(GPU_PY) -m pytest -q -p no:cacheprovider tests/test_gpu.py
 	$(GPU_PY) -m tools.bench_gpu --out $(GPU_OUT) $(GPU_BENCH_ARGS)
+
+GPU_VLLM_PACK ?= build/gpu-vllm
+gpu-vllm-pack: venv ## fetch vLLM 0.32.0's Python tree (series applied), its cu130 record, wheels and stand-ins into build/gpu-vllm
+	$(PY) -m tools.gpu_vllm_pack --out $(GPU_VLLM_PACK)
+
+gpu-vllm-check: ## CUDA machine only, GPU_VLLM_PACK carried: build as gpu-check, run vLLM end to end (tests/test_gpu_vllm.py) into GPU_OUT
+	$(GPU_BUILD)
+	$(GPU_PY) -m tools.gpu_vllm_check --pack $(GPU_VLLM_PACK) --out $(GPU_OUT) $(GPU_VLLM_ARGS)
 
 clean: ## remove build outputs (keeps .venv)
 	rm -rf build dist compile_commands.json .pytest_cache

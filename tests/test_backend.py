@@ -656,3 +656,27 @@ def test_engine_build_takes_the_engines_argument_order() -> None:
     assert (plan.num_reqs, plan.num_actual_tokens, plan.seq_lens.tolist()) == (1, 1, [3])
     signature = backend.Engine.build.__doc__.split("\n")[0]
     assert signature.index("block_table") < signature.index("num_reqs") < signature.index("num_actual_tokens")
+
+
+def test_supports_compute_capability_on_cpu_and_cuda_answers() -> None:
+    """vLLM's CPU routing (patch 0003) validates ACTIVEKV with device_capability=None: True, never an error. A CUDA
+    capability is answered (this CPU build has no CUDA kernel: any architecture); anything else is a TypeError."""
+    assert backend.supports_compute_capability(None) is True
+    assert backend.supports_compute_capability(SimpleNamespace(major=9, minor=0)) is True
+    for bad in (SimpleNamespace(major=9), SimpleNamespace(major="9", minor=0), SimpleNamespace(major=True, minor=0),
+                SimpleNamespace(major=2**70, minor=0), 90):
+        with pytest.raises(TypeError, match="capability must be None or a DeviceCapability"):
+            backend.supports_compute_capability(bad)
+    with pytest.raises(ValueError, match="minor in"):
+        backend.supports_compute_capability(SimpleNamespace(major=9, minor=10))
+
+
+def test_kv_cache_allocation_delegates_leave_cpu_caches_alone() -> None:
+    """Patch 0005's two delegates in vllm/v1/worker/utils.py, loaded by CPU vLLM too: a CPU KV cache keeps vLLM's
+    device and buffer (the same tensor object); a meta buffer of the wrong kind is refused by name."""
+    config = SimpleNamespace(kv_cache_tensors=[SimpleNamespace(layers=list(LAYERS))])
+    assert backend.kv_cache_device(config, torch.device("cpu")) == torch.device("cpu")
+    buf = torch.zeros(64, dtype=torch.int8)
+    assert backend.host_tier_buffer(buf) is buf
+    with pytest.raises(ValueError, match="1-D int8 meta tensor"):
+        backend.host_tier_buffer(torch.empty(4, 4, dtype=torch.int8, device="meta"))

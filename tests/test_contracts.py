@@ -55,7 +55,7 @@ def test_check_cli_passes_on_the_series(ref: Path) -> None:
     done = cli("check", "--vllm-src", str(ref))
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.fullmatch(
-        r"OK: (\d+) contracts cover the \1 added Python lines of 4 patches; every one is framework-contract\n",
+        r"OK: (\d+) contracts cover the \1 added Python lines of 5 patches; every one is framework-contract\n",
         done.stdout,
     )
 
@@ -87,6 +87,7 @@ def test_every_added_line_has_one_entry_and_every_entry_an_added_line(report: co
         NEW_MODULE,
         "vllm/platforms/cpu.py",
         "vllm/v1/metrics/activekv.py",
+        "vllm/v1/worker/utils.py",
     }
 
 
@@ -111,7 +112,7 @@ def test_new_module_lines_are_one_line_delegations(report: contracts.Report) -> 
     statements = [a for _, a in report.pairs if a.file == NEW_MODULE]
     calls = [a.text for a in statements if "_backend." in a.text or "self._native." in a.text]
     assert all(not a.text.startswith(("if ", "for ", "while ", "try", "with ")) for a in statements)
-    assert len(calls) == 20
+    assert len(calls) == 21  # 0002: supports_compute_capability delegates too
 
 
 def test_routing_lines_mirror_vllm_and_imports_resolve(report: contracts.Report) -> None:
@@ -236,6 +237,20 @@ def test_a_citation_naming_another_symbol_is_reported(ref: Path, broken: Path) -
     done = check_broken(ref, broken)
     assert "symbol: contract #12 (vllm/v1/attention/backends/activekv.py: 'def get_name():')" in done.stdout
     assert "names none of the line's key symbols ['get_name']" in done.stdout
+
+
+def test_a_native_import_in_an_existing_module_must_cite_vllms_import_of_it(ref: Path, broken: Path) -> None:
+    # 0005's import in vllm/v1/worker/utils.py cited to the plugin loader: a valid quote, and a `load`, but that call
+    # loads ActiveKV's entry point, not the module the import lands in.
+    path = broken / "contracts.toml"
+    line = "from activekv import _backend"
+    edit_entry(path, line, 'file = "vllm/v1/worker/gpu_model_runner.py"', 'file = "vllm/plugins/__init__.py"', 1)
+    edit_entry(path, line, "line = 219\n", "line = 69\n", 1)
+    edit_entry(path, line, 'text = "from vllm.v1.worker.utils import ("', 'text = "func = plugin.load()"', 1)
+    done = check_broken(ref, broken)
+    assert "symbol: contract #80 (vllm/v1/worker/utils.py: 'from activekv import _backend')" in done.stdout
+    assert "must cite vLLM's import of that module ('from vllm.v1.worker.utils import ...')" in done.stdout
+    assert len(done.stdout.splitlines()) == 2, done.stdout
 
 
 def test_a_decorator_cited_to_another_methods_decorator_is_reported(ref: Path, broken: Path) -> None:

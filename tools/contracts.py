@@ -34,9 +34,10 @@ Rules checked (each names itself in its messages):
 - citation: ``cites.file`` exists in the reference tree and its line ``cites.line``, stripped, equals ``cites.text``.
 - symbol: the cited text names, as a whole identifier, one of the line's key symbols: a ``def`` its name; a ``class``
   its base; a decorator the decorator (and the cited decorator decorates a method of the same name within 3 lines);
-  an import the imported name (an import of the native package ``activekv``: ``import_module`` or ``load``, the
-  call through which vLLM imports the module, from its registry path or its plugin entry point, and with it the
-  native one); an assignment its target (or, for
+  an import the imported name (an import of the native package ``activekv``: in a file the series creates,
+  ``import_module`` or ``load``, the call through which vLLM imports the module, from its registry path or its plugin
+  entry point, and with it the native one; in an existing vLLM module, vLLM's own import of that module, e.g.
+  ``from vllm.v1.worker.utils import (``, through which vLLM loads it); an assignment its target (or, for
   ``self._native = ...``, the enclosing method; at class level also the enclosing class, e.g. the enum being
   extended); a ``return``/expression the enclosing function or the framework attribute it returns or calls; an
   ``if`` a name in its condition; a ``raise`` the exception. ``self``, ``cls``, the native modules (``_backend``, ``_telemetry``) and
@@ -295,7 +296,11 @@ def _import_symbols(node: ast.Import | ast.ImportFrom) -> set[str]:
     else:
         roots = {a.name.split(".")[0] for a in node.names}
         names = {a.asname or a.name.split(".")[-1] for a in node.names}
-    return {"import_module", "load"} if NATIVE_PACKAGE in roots else names
+    return _import_symbols_native() if NATIVE_PACKAGE in roots else names
+
+
+def _import_symbols_native() -> set[str]:
+    return {"import_module", "load"}
 
 
 def _symbols(info: LineInfo) -> set[str]:
@@ -590,7 +595,15 @@ def _check_pair(
         problems.append(f"statement: {where}: the line does not begin a statement; write one statement per line")
         return
     if cited_ok:
-        if not info.symbols & _words(c.cites.text):
+        if info.kind == "import" and not a.new_file and info.symbols == _import_symbols_native():
+            # The native package imported by an existing vLLM module is loaded when vLLM imports that module.
+            module = c.file.removesuffix(".py").replace("/", ".")
+            if not re.search(rf"^(from {re.escape(module)} import\b|import {re.escape(module)}\b)", c.cites.text):
+                problems.append(
+                    f"symbol: {where}: a native import added to an existing vLLM module must cite vLLM's import of "
+                    f"that module ('from {module} import ...'), got {c.cites.text!r}"
+                )
+        elif not info.symbols & _words(c.cites.text):
             problems.append(
                 f"symbol: {where}: the cited text names none of the line's key symbols {sorted(info.symbols)}"
             )

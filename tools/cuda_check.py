@@ -62,7 +62,8 @@ def main() -> int:
             failed += 1
             print(f"FAIL {rel}\n{log}")
         else:
-            print(f"ok   {rel}: compiled for {args.arch}, registers per thread {regs[0]}-{regs[-1]}, no spills")
+            kernels = f"registers per thread {regs[0]}-{regs[-1]}" if regs else "no kernels"
+            print(f"ok   {rel}: compiled for {args.arch}, {kernels}, no spills")
     return 1 if failed else 0
 
 

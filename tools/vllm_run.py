@@ -76,6 +76,8 @@ class EngineConfig:
         too: vllm/v1/core/kv_cache_utils.py); None sizes the cache from kv_cache_gib. A small value forces preemption.
     enforce_eager: False (vLLM's default) compiles the model with torch.compile (inductor) and warms it up before the
         KV cache exists; True runs it eagerly with no warm-up. Compiled graphs are cached under VLLM_CACHE_ROOT.
+    dtype: the model dtype vLLM runs in.
+    extra: further `vllm.LLM` keyword arguments, applied last (the GPU harness's settings: tests/test_gpu_vllm.py).
     """
 
     model: str
@@ -90,12 +92,14 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     num_gpu_blocks: int | None = None
     enforce_eager: bool = False
+    dtype: str = "float32"
+    extra: Mapping[str, Any] | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `vllm.LLM` (besides the model path)."""
         kwargs: dict[str, Any] = {
             "skip_tokenizer_init": True,
-            "dtype": "float32",
+            "dtype": self.dtype,
             "enforce_eager": self.enforce_eager,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs,
@@ -112,6 +116,8 @@ class EngineConfig:
             kwargs["num_gpu_blocks_override"] = self.num_gpu_blocks
         if self.activekv is not None:
             kwargs["additional_config"] = {"activekv": dict(self.activekv)}
+        if self.extra is not None:
+            kwargs.update(self.extra)
         return kwargs
 
 

@@ -13,6 +13,7 @@
 #include <activekv/options.h>
 #include <activekv_py/common.h>
 #include <activekv_py/backend_parts.h>
+#include <activekv_py/host_tier.h>
 #include <activekv_py/vllm_args.h>
 
 #include <algorithm>
@@ -156,6 +157,34 @@ std::vector<Impl*> layer_impls(const py::handle& vllm_config, const std::vector<
   return out;
 }
 
+/// The engines Builders made whose host tier is not bound yet, for the one lookup by layer name left: vLLM allocates the
+/// KV cache after it has built the metadata builders (vllm/v1/worker/gpu_model_runner.py initialize_kv_cache) and
+/// hands allocate_kv_cache only the KVCacheConfig, whose layer names are all it has to say which engine a buffer is
+/// for (backend_host_tier.cpp, kv_cache_device). Start-up only: an engine leaves the list once its host tier is bound
+/// or it is released, and no per-step path reads it.
+std::vector<std::weak_ptr<Engine>>& unbound_engines() {
+  static std::vector<std::weak_ptr<Engine>> engines;
+  return engines;
+}
+
+std::vector<std::shared_ptr<Engine>> engines_awaiting_host_tier(const std::string& layer_name) {
+  auto& all = unbound_engines();
+  std::vector<std::shared_ptr<Engine>> out;
+  std::vector<std::weak_ptr<Engine>> keep;
+  for (const auto& w : all) {
+    auto e = w.lock();
+    if (!e) continue;
+    bool unbound = false;
+    for (int64_t l = 0; l < e->geometry().num_layers && !unbound; ++l)
+      unbound = e->host_binding(l, at::Tensor()) == Engine::HostBinding::kUnbound;
+    if (!unbound) continue;
+    keep.push_back(w);
+    if (e->serves_layer(layer_name)) out.push_back(std::move(e));
+  }
+  all = std::move(keep);
+  return out;
+}
+
 /// vLLM's AttentionMetadataBuilder of one KV-cache group: its engine, whose layers it binds to their Impls.
 struct Builder {
   std::shared_ptr<Engine> engine;
@@ -187,6 +216,7 @@ Builder make_builder(const py::handle& kv_cache_spec, const std::vector<std::str
   auto engine = activekv::make_backend_engine(activekv::backend_config(options, group), layer_names, device);
   for (size_t i = 0; i < impls.size(); ++i)
     if (impls[i] != nullptr) impls[i]->engines.bind(engine, layer_names[i]);
+  unbound_engines().push_back(engine);
   return Builder{engine};
 }
 
@@ -289,6 +319,7 @@ PYBIND11_MODULE(_backend, m) {
           "Write key/value [T, KVH, D] into the layer's KV cache at slot_mapping (-1 = padding).");
 
   activekv::py_glue::register_series(m);
+  activekv::py_glue::define_host_tier(m, &engines_awaiting_host_tier);  // backend_host_tier.cpp
   m.def("name", []() { return std::string("ACTIVEKV"); }, "The backend name vLLM selects.");
   m.def("cpu_kernel_capability", &activekv::cpu_kernel_capability,
         "CPU capability of the fast kernel in use: 'avx512', 'avx2' or 'default' (ATEN_CPU_CAPABILITY caps it).");

@@ -117,6 +117,8 @@ int64_t Engine::layer_index(const std::string& name) const {
   return it->second;
 }
 
+bool Engine::serves_layer(const std::string& name) const { return layer_names_.count(name) != 0; }
+
 std::vector<std::pair<int64_t, int64_t>> Engine::resident(int64_t layer) const {
   std::lock_guard<std::mutex> lock(mu_);
   const auto& l = kv_.layer(layer);

@@ -106,6 +106,8 @@ class Engine {
   void set_layer_names(const std::vector<std::string>& names);
   /// Layer index of a vLLM layer name. @throws c10::ValueError for an unknown name.
   int64_t layer_index(const std::string& name) const;
+  /// Whether this engine serves vLLM layer `name`.
+  bool serves_layer(const std::string& name) const;
 
   /// Plan a step (step_plan.h plan_step): its metadata checked, its rows, block ids and admission units planned, and
   /// the admission rounds of the engine's path where they do not depend on a layer.
