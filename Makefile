@@ -13,7 +13,7 @@ PARITY_ARGS ?=
 # What tools/real_model.py needs to read the GGUF file it converts (transformers' GGUF loader).
 MODEL_DEPS := gguf==0.19.0 accelerate==1.16.0
 
-.PHONY: help venv real-model build wheel audit intake test sanitize demo bench bench-e2e profile parity quality census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
+.PHONY: help venv real-model build wheel audit intake test sanitize demo bench bench-e2e profile parity quality serve-load census proof patch-vllm unpatch-vllm gpu-check cuda-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -85,6 +85,9 @@ parity: build ## every parity cell (exact + compressed), engine's ATen path vs t
 quality: build patch-vllm ## train the byte-level Llama if needed (tools/train_tiny.py), measure compressed mode, write docs/quality.md
 	$(PY) -m tools.train_tiny build/tiny-trained
 	$(PY) -m tools.quality --model build/tiny-trained
+
+serve-load: build patch-vllm real-model ## `activekv serve` vs stock `vllm serve` on the real model: 64 concurrent streams x 8 waves (tools/serve_load.py)
+	$(PY) -m tools.serve_load
 
 census: venv ## print the dispatch census of the patch series: every call site in the Python it adds (docs/telemetry.md)
 	$(PY) -m tools.census
