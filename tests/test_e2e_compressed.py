@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from tools.capture import LayerCall, Recorder, capture, replay
+from tools.capture import LayerCall, Recorder, capture, replay_mismatches
 from tools.make_tiny_model import SPEC, make_tiny_model
 from tools.vllm_run import ACTIVEKV, EngineConfig, Generation, VllmEngine, activekv_status, make_prompts
 
@@ -111,16 +111,7 @@ def test_each_step_equals_a_fresh_engines_replay(
     compressed_run: tuple[Generation, Recorder, dict[str, str]], which: str
 ) -> None:
     _, rec, kernel = compressed_run
-    mismatches: list[str] = []
-    for call in rec.calls:
-        got = replay(call, _ref_engine() if which == "reference" else _native_engine(kernel))
-        if not torch.equal(got.output, call.output):
-            worst = float((got.output - call.output).abs().max())
-            mismatches.append(f"step {call.step} layer {call.layer}: output differs (max abs {worst:.3g})")
-        if sorted(got.selection) != sorted(call.selection) or not all(
-            torch.equal(got.selection[r], call.selection[r]) for r in call.selection
-        ):
-            mismatches.append(f"step {call.step} layer {call.layer}: selection differs")
+    mismatches = replay_mismatches(rec.calls, _ref_engine if which == "reference" else lambda: _native_engine(kernel))
     assert not mismatches, "\n".join(mismatches[:10])
 
 

@@ -218,6 +218,22 @@ def replay(call: LayerCall, engine: Any, rows: list[int] | None = None) -> Repla
     return Replay(output, selection)
 
 
+def replay_mismatches(calls: list[LayerCall], make_engine: Callable[[], Any]) -> list[str]:
+    """Replay every call on a fresh engine from `make_engine` (see `replay`): one line per call whose output or
+    selection is not equal bit for bit to the recorded one; empty when all are."""
+    out: list[str] = []
+    for call in calls:
+        got = replay(call, make_engine())
+        if not torch.equal(got.output, call.output):
+            worst = float((got.output - call.output).abs().max())
+            out.append(f"step {call.step} layer {call.layer}: output differs (max abs {worst:.3g})")
+        if sorted(got.selection) != sorted(call.selection) or not all(
+            torch.equal(got.selection[r], call.selection[r]) for r in call.selection
+        ):
+            out.append(f"step {call.step} layer {call.layer}: selection differs")
+    return out
+
+
 def _selection_of(engine: Any) -> dict[int, torch.Tensor]:
     sel = engine.selection
     return dict(sel(0) if callable(sel) else sel[0])

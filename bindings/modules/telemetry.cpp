@@ -13,7 +13,6 @@ using activekv::py_glue::snapshot_to_dict;
 
 namespace {
 
-// Prometheus names of the counters (snapshot key -> metric family name without _total, unit, help).
 // A sample, shaped as prometheus_client's Sample named tuple (the fields its exposition code reads).
 struct Sample {
   std::string name;
