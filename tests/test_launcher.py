@@ -117,20 +117,20 @@ def test_version_option_prints_one_line_with_pyprojects_version() -> None:
 
 
 def product_environment_variables() -> set[str]:
-    """Every ACTIVEKV_* variable the product reads: the string literals of engine/ and bindings/ (build-time
+    """Every ACTIVEKV_* variable the product reads: the string literals of engine/, series/ and bindings/ (build-time
     definitions such as ACTIVEKV_VERSION are macros, never quoted)."""
     found = set()
-    for path in [*(REPO / "engine").rglob("*.[ch]*"), *(REPO / "bindings").rglob("*.[ch]*")]:
+    for path in [p for part in ("engine", "series", "bindings") for p in (REPO / part).rglob("*.[ch]*")]:
         found.update(re.findall(r'"(ACTIVEKV_[A-Z0-9_]+)', path.read_text(errors="replace")))
     return found
 
 
 def builder_option_keys() -> list[str]:
-    """The option keys the backend accepts, from its own "known options" message (bindings/modules/)."""
-    text = "".join(p.read_text() for p in (REPO / "bindings" / "modules").glob("*.cpp"))
-    m = re.search(r'known options: ([a-z_, ]+)"\s*"([a-z_, ]+)"', text)
-    assert m, "the backend's unknown-option message moved"
-    return [k.strip() for k in (m[1] + m[2]).split(",") if k.strip()]
+    """The option keys the backend accepts: the table its "known options" message lists (engine/src/options.cpp)."""
+    text = (REPO / "engine" / "src" / "options.cpp").read_text()
+    table = re.search(r"kOptions\[\] = \{(.*?)\n\};", text, re.S)
+    assert table, "the backend's option table moved"
+    return re.findall(r'\{"([a-z_]+)", OptionKind::', table[1])
 
 
 @pytest.mark.parametrize("args", [["--help"], ["-h"], ["help"]])
