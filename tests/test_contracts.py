@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # a bare `pytest`: the dev-side tools live at the repository root
     sys.path.insert(0, str(REPO))
 
-from tests import vllm_tree  # noqa: E402
+from tools import vllm_tree  # noqa: E402
 from tools import contracts  # noqa: E402
 from tools.vllm_patch import DEFAULT_PATCHES, Series  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The native `activekv` launcher (bindings/launcher/): `version` and `patch`, run as a user runs them.
 
 The launcher under test is the one `make build` installs into the venv's bin/ (next to the venv's python, the same
-place a wheel puts it). `patch` runs on copies of the vLLM 0.32.0 reference tree (tests/vllm_tree.py): as an installed
+place a wheel puts it). `patch` runs on copies of the vLLM 0.32.0 reference tree (tools/vllm_tree.py): as an installed
 package directory (git apply) and as a git checkout (git am), and is compared byte for byte with the dev-side
 `tools.vllm_patch`. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py; `serve` and `run-batch`
 against vLLM's own CLI (exit codes, signals, a batch run) in tests/test_launcher_vllm.py.
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests import vllm_tree  # noqa: E402
+from tools import vllm_tree  # noqa: E402
 from tests.serving import child_env, run_python  # noqa: E402
 from tools.vllm_patch import DEFAULT_PATCHES, Series  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The vLLM 0.32.0 patch series and ``tools.vllm_patch``: git am, apply/check/revert/status, atomicity, the new module.
 
-The reference tree comes from ``tests/vllm_tree.py`` (the wheel's ``vllm/``, cached under ``build/``). Trees the tests
+The reference tree comes from ``tools/vllm_tree.py`` (the wheel's ``vllm/``, cached under ``build/``). Trees the tests
 modify are copies under ``tmp_path``. Two tests touch the real ``.venv``: they apply the series with the tool when it is
 not applied yet and leave it applied, as ``make patch-vllm`` does (``make test`` applies it before the suites anyway).
 """
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # a bare `pytest`: the dev-side tools live at the repository root
     sys.path.insert(0, str(REPO))
 
-from tests import vllm_tree  # noqa: E402
+from tools import vllm_tree  # noqa: E402
 from tools import vllm_patch  # noqa: E402
 from tools.contracts import import_problem, line_infos  # noqa: E402
 from tools.vllm_patch import DEFAULT_PATCHES, PatchError, Series, State  # noqa: E402
