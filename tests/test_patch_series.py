@@ -119,23 +119,22 @@ def test_git_am_applies_series_to_reference_repo(ref: Path, am_tree: Path, serie
     assert vllm_tree.git(am_tree, "status", "--porcelain") == ""
 
 
-def test_series_is_what_git_format_patch_makes(ref: Path, am_tree: Path, series: Series, tmp_path: Path) -> None:
-    base = vllm_tree.git(ref, "rev-parse", "HEAD").strip()
-    vllm_tree.git(
-        am_tree,
-        "format-patch",
-        "-q",
-        "--zero-commit",
-        "--no-signature",
-        "--filename-max-length=80",
-        "-o",
-        str(tmp_path),
-        f"{base}..HEAD",
-    )
-    made = sorted(tmp_path.glob("*.patch"))
+def test_series_is_what_export_makes(ref: Path, am_tree: Path, series: Series, tmp_path: Path) -> None:
+    """`python -m tools.vllm_patch export` (git format-patch of the reference commit..HEAD) of the git-am'd tree
+    rewrites the committed series byte for byte, its `series` file included."""
+    out = tmp_path / "series"
+    out.mkdir()
+    (out / "0009-stale.patch").write_text("replaced by the export\n")
+    done = subprocess.run([sys.executable, "-m", "tools.vllm_patch", "export", "--from", str(am_tree), "--base",
+                           vllm_tree.git(ref, "rev-parse", "HEAD").strip(), "--patches", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"wrote {len(series.patches)} patch(es) and series to {out}\n"
+    made = sorted(out.glob("*.patch"))
     assert [p.name for p in made] == [p.name for p in series.patches]
     for ours, remade in zip(series.patches, made, strict=True):
         assert ours.read_bytes() == remade.read_bytes(), ours.name
+    assert (out / "series").read_bytes() == (DEFAULT_PATCHES / "series").read_bytes()
 
 
 @pytest.mark.parametrize("entry, shown, why", [
