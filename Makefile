@@ -145,7 +145,7 @@ gpu-check: ## CUDA machine only (the device tool's H200): build with its python3
 	$(GPU_PY) -m tools.bench_gpu --out $(GPU_OUT) $(GPU_BENCH_ARGS)
 
 GPU_VLLM_PACK ?= build/gpu-vllm
-gpu-vllm-pack: $(ACTIVEKV) ## fetch vLLM 0.32.0's Python tree (series applied), its cu130 record, wheels and stand-ins into build/gpu-vllm
+gpu-vllm-pack: $(ACTIVEKV) ## fetch the pinned vLLM's Python tree (series applied), its cu130 record, wheels and stand-ins into build/gpu-vllm
 	$(PY) -m tools.gpu_vllm_pack --out $(GPU_VLLM_PACK)
 
 gpu-vllm-check: ## CUDA machine only, GPU_VLLM_PACK carried: build as gpu-check, run vLLM end to end (tests/test_gpu_vllm.py) into GPU_OUT

@@ -149,8 +149,9 @@ def test_series_is_what_export_makes(ref: Path, am_tree: Path, series: Series, t
 ])
 def test_a_series_entry_that_is_not_a_patch_file_name_is_refused(series: Series, tmp_path: Path, entry: str | None,
                                                                   shown: str, why: str) -> None:
-    """The dev-side reader refuses what the launcher's loader refuses (tests/test_launcher.py): `directory / "../x.patch"` and
-    `directory / "/abs.patch"` (which pathlib reads as the absolute path alone) lead out of the series' folder."""
+    """The dev-side reader refuses what the launcher's loader refuses (tests/test_launcher.py): `directory /
+    "../x.patch"` and `directory / "/abs.patch"` (which pathlib reads as the absolute path alone) lead out of the
+    series' folder."""
     outside = tmp_path / "outside.patch"
     shutil.copy2(series.patches[0], outside)
     (tmp_path / "outside.diff").write_bytes(series.patches[0].read_bytes())
