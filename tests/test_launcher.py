@@ -4,8 +4,8 @@ The launcher under test is the one `make build` installs into the venv's bin/ (n
 place a wheel puts it). `patch` runs on copies of the vLLM 0.32.0 reference tree (tools/vllm_tree.py): as an installed
 package directory (git apply) and as a git checkout (git am), and is compared byte for byte with the reference tree
 that `git am` patched. `make patch-vllm` / `make unpatch-vllm` and the dev-side checks (tools.vllm_patch.materialize)
-apply the series with this launcher only. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py; `serve` and `run-batch`
-against vLLM's own CLI (exit codes, signals, a batch run) in tests/test_launcher_vllm.py.
+apply the series with this launcher only. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py;
+`serve` and `run-batch` against vLLM's own CLI (exit codes, signals, a batch run) in tests/test_launcher_vllm.py.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from email.parser import HeaderParser
 from pathlib import Path
 
 import pytest
@@ -209,7 +210,7 @@ def test_apply_check_revert_on_an_installed_tree(site: Path, tmp_path: Path) -> 
     assert akv("patch", "check", "--vllm", str(site)).returncode == 1
     done = akv("patch", "apply", "--vllm", str(site))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"applied 4 patch(es) to {site}: 0001-")
+    assert done.stdout.startswith(f"applied {len(SERIES.patches)} patch(es) to {site}: 0001-")
     # Byte for byte what `git am` makes of the reference repository.
     twin = vllm_tree.clone_reference(tmp_path / "twin")
     git(twin, "am", "-q", *[str(p) for p in SERIES.patches])
@@ -474,10 +475,9 @@ def test_apply_and_revert_on_a_git_checkout(checkout: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "as commits (git am)" in done.stdout
     subjects = git(checkout, "log", "--format=%s", f"{base}..HEAD").splitlines()
-    expected = [
-        next(line for line in p.read_text().splitlines() if line.startswith("Subject: ")).split("] ", 1)[1]
-        for p in SERIES.patches
-    ]
+    # The Subject header unfolded (git format-patch folds a long one onto continuation lines).
+    expected = [" ".join(HeaderParser().parsestr(p.read_text())["Subject"].split()).split("] ", 1)[1]
+                for p in SERIES.patches]
     assert subjects == expected[::-1]  # newest first
     status = akv("patch", "status", "--vllm", str(checkout))
     assert status.stdout.startswith(f"applied: vLLM 0.32.0 at {checkout} (git checkout)\n")
