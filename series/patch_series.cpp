@@ -233,7 +233,16 @@ std::string Series::subject(size_t i) const {
     if (line.substr(0, 6) == "[PATCH") {
       if (const size_t end = line.find("] "); end != std::string_view::npos) line.remove_prefix(end + 2);
     }
-    return std::string(line);
+    // git format-patch folds a long Subject onto continuation lines (leading space or tab); git am joins them with
+    // one space, and that is the commit's subject.
+    std::string subject(line);
+    while (lines.next(line) && !line.empty() && (line[0] == ' ' || line[0] == '\t')) {
+      if (const size_t start = line.find_first_not_of(" \t"); start != std::string_view::npos) {
+        subject += ' ';
+        subject += line.substr(start);
+      }
+    }
+    return subject;
   }
   return {};
 }

@@ -73,7 +73,8 @@ struct Series {
   /// not read). Throws PatchError when a patch cannot be read (read_regular_file).
   std::vector<std::string> touched_files() const;
 
-  /// The commit subject `git am` gives patch i (the Subject header without its "[PATCH n/m] " prefix). Throws
+  /// The commit subject `git am` gives patch i (the Subject header, continuation lines joined with one space, without
+  /// its "[PATCH n/m] " prefix). Throws
   /// PatchError when the patch cannot be read.
   std::string subject(size_t i) const;
 };

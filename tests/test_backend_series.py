@@ -5,7 +5,7 @@ check, so `activekv._backend` runs it itself, once per process, at the first `Im
 imported (sys.modules['vllm'].__file__) must be vLLM 0.32.0 with every patch of the series installed next to the
 module applied. `check_patch_series(vllm_dir, patch_dir=None)` is the same check on a given tree.
 
-Trees: copies of the vLLM 0.32.0 reference tree (tests/vllm_tree.py), patched with the launcher and then changed; and,
+Trees: copies of the vLLM 0.32.0 reference tree (tools/vllm_tree.py), patched with the launcher and then changed; and,
 for the processes that import vLLM from a changed tree, a linked copy of the venv's (patched) vLLM: the directories
 on the way to the files the series touches are real, those files are copies, everything else links to the venv's
 files, so the copy imports and runs like the venv's vLLM.
@@ -27,7 +27,7 @@ import pytest
 import torch  # noqa: F401  (the native modules use torch's types: torch first)
 
 from activekv import _backend
-from tests import vllm_tree
+from tools import vllm_tree
 from tests.serving import child_env, run_python
 from tools.vllm_patch import DEFAULT_PATCHES, Series
 

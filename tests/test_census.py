@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests import vllm_tree  # noqa: E402
+from tools import vllm_tree  # noqa: E402
 from tools import census  # noqa: E402
 from tools.vllm_patch import DEFAULT_PATCHES  # noqa: E402
 

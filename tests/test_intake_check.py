@@ -309,7 +309,7 @@ def series_repo(repo: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_src() -> Path:
-    from tests import vllm_tree
+    from tools import vllm_tree
 
     return vllm_tree.reference_tree()
 

@@ -1,10 +1,11 @@
 """The native `activekv` launcher (bindings/launcher/): `version` and `patch`, run as a user runs them.
 
 The launcher under test is the one `make build` installs into the venv's bin/ (next to the venv's python, the same
-place a wheel puts it). `patch` runs on copies of the vLLM 0.32.0 reference tree (tests/vllm_tree.py): as an installed
-package directory (git apply) and as a git checkout (git am), and is compared byte for byte with the dev-side
-`tools.vllm_patch`. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py; `serve` and `run-batch`
-against vLLM's own CLI (exit codes, signals, a batch run) in tests/test_launcher_vllm.py.
+place a wheel puts it). `patch` runs on copies of the vLLM 0.32.0 reference tree (tools/vllm_tree.py): as an installed
+package directory (git apply) and as a git checkout (git am), and is compared byte for byte with the reference tree
+that `git am` patched. `make patch-vllm` / `make unpatch-vllm` and the dev-side checks (tools.vllm_patch.materialize)
+apply the series with this launcher only. `serve` is tested end to end from a fresh venv in tests/test_wheel_flow.py;
+`serve` and `run-batch` against vLLM's own CLI (exit codes, signals, a batch run) in tests/test_launcher_vllm.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from email.parser import HeaderParser
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests import vllm_tree  # noqa: E402
+from tools import vllm_tree  # noqa: E402
 from tests.serving import child_env, run_python  # noqa: E402
 from tools.vllm_patch import DEFAULT_PATCHES, Series  # noqa: E402
 
@@ -208,17 +210,35 @@ def test_apply_check_revert_on_an_installed_tree(site: Path, tmp_path: Path) -> 
     assert akv("patch", "check", "--vllm", str(site)).returncode == 1
     done = akv("patch", "apply", "--vllm", str(site))
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"applied 4 patch(es) to {site}: 0001-")
-    # Byte for byte what the dev-side tool makes.
-    twin = vllm_tree.copy_as_installed(tmp_path / "twin")
-    subprocess.run([sys.executable, "-m", "tools.vllm_patch", "apply", "--vllm", str(twin)], cwd=REPO, check=True,
-                   capture_output=True)
+    assert done.stdout.startswith(f"applied {len(SERIES.patches)} patch(es) to {site}: 0001-")
+    # Byte for byte what `git am` makes of the reference repository.
+    twin = vllm_tree.clone_reference(tmp_path / "twin")
+    git(twin, "am", "-q", *[str(p) for p in SERIES.patches])
     assert digest(site) == digest(twin) != before
+    assert {k for k, v in digest(site).items() if before.get(k) != v} == set(SERIES.touched_files())
     check = akv("patch", "check", "--vllm", str(site / "vllm"))  # the package directory itself is accepted too
     assert (check.returncode, check.stdout) == (0, f"applied: vLLM 0.32.0 at {site}\n")
     again = akv("patch", "apply", "--vllm", str(site))
     assert again.returncode == 1
     assert "already applied" in again.stderr and digest(site) == digest(twin)
+    done = akv("patch", "revert", "--vllm", str(site))
+    assert done.returncode == 0, done.stderr
+    assert digest(site) == before
+
+
+def test_an_installed_tree_inside_a_git_checkout_is_patched_as_a_package_dir(tmp_path: Path) -> None:
+    """A .venv inside a checkout (`make patch-vllm`): git must not take the checkout for the tree to patch."""
+    checkout = tmp_path / "checkout"
+    site = checkout / ".venv" / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    git(tmp_path, "init", "-q", str(checkout))
+    vllm_tree.copy_as_installed(site)
+    before = digest(site)
+    done = akv("patch", "apply", "--vllm", str(site))
+    assert done.returncode == 0, done.stderr
+    assert (site / "vllm/v1/attention/backends/activekv.py").is_file()
+    assert not (checkout / "vllm").exists()
+    assert git(checkout, "status", "--porcelain") == "?? .venv/\n"
     done = akv("patch", "revert", "--vllm", str(site))
     assert done.returncode == 0, done.stderr
     assert digest(site) == before
@@ -455,10 +475,9 @@ def test_apply_and_revert_on_a_git_checkout(checkout: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "as commits (git am)" in done.stdout
     subjects = git(checkout, "log", "--format=%s", f"{base}..HEAD").splitlines()
-    expected = [
-        next(line for line in p.read_text().splitlines() if line.startswith("Subject: ")).split("] ", 1)[1]
-        for p in SERIES.patches
-    ]
+    # The Subject header unfolded (git format-patch folds a long one onto continuation lines).
+    expected = [" ".join(HeaderParser().parsestr(p.read_text())["Subject"].split()).split("] ", 1)[1]
+                for p in SERIES.patches]
     assert subjects == expected[::-1]  # newest first
     status = akv("patch", "status", "--vllm", str(checkout))
     assert status.stdout.startswith(f"applied: vLLM 0.32.0 at {checkout} (git checkout)\n")

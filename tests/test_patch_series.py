@@ -1,14 +1,16 @@
-"""The vLLM 0.32.0 patch series and ``tools.vllm_patch``: git am, apply/check/revert/status, atomicity, the new module.
+"""The vLLM 0.32.0 patch series and its dev-side reader ``tools.vllm_patch``: git am, git format-patch, the new module.
 
-The reference tree comes from ``tests/vllm_tree.py`` (the wheel's ``vllm/``, cached under ``build/``). Trees the tests
-modify are copies under ``tmp_path``. Two tests touch the real ``.venv``: they apply the series with the tool when it is
-not applied yet and leave it applied, as ``make patch-vllm`` does (``make test`` applies it before the suites anyway).
+The reference tree comes from ``tools/vllm_tree.py`` (the wheel's ``vllm/``, cached under ``build/``). Trees the tests
+modify are copies under ``tmp_path``. Applying, checking and reverting the series is the native launcher's
+(``activekv patch``, tests/test_launcher.py). Two tests touch the real ``.venv``: they apply the series with the
+launcher when it is not applied yet and leave it applied, as ``make patch-vllm`` does (``make test`` applies it before
+the suites anyway).
 """
 
 from __future__ import annotations
 
 import ast
-import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -24,10 +26,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # a bare `pytest`: the dev-side tools live at the repository root
     sys.path.insert(0, str(REPO))
 
-from tests import vllm_tree  # noqa: E402
-from tools import vllm_patch  # noqa: E402
+from tools import vllm_tree  # noqa: E402
 from tools.contracts import import_problem, line_infos  # noqa: E402
-from tools.vllm_patch import DEFAULT_PATCHES, PatchError, Series, State  # noqa: E402
+from tools.vllm_patch import DEFAULT_PATCHES, PatchError, Series, vllm_version  # noqa: E402
 
 TOUCHED = [
     "vllm/v1/attention/backends/registry.py",
@@ -38,7 +39,9 @@ TOUCHED = [
 ]
 NEW_MODULE = "vllm/v1/attention/backends/activekv.py"
 BACKEND_PATH = "vllm.v1.attention.backends.activekv.ActiveKVBackend"
-VENV_ROOT = vllm_patch.default_vllm_root()
+# The directory holding the vllm package this interpreter imports (found without importing it).
+VENV_ROOT = Path(next(iter(importlib.util.find_spec("vllm").submodule_search_locations))).resolve().parent
+LAUNCHER = Path(sys.executable).parent / "activekv"  # where `make build` installs it
 
 
 @pytest.fixture(scope="module")
@@ -59,25 +62,12 @@ def am_tree(ref: Path, series: Series, tmp_path_factory: pytest.TempPathFactory)
     return clone
 
 
-@pytest.fixture
-def installed(ref: Path, tmp_path: Path) -> Path:
-    """A copy of the reference ``vllm/`` laid out like an installed package directory (no git metadata)."""
-    return vllm_tree.copy_as_installed(tmp_path / "site-packages")
-
-
-def tool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tools.vllm_patch", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-
-
-def digest(root: Path) -> dict[str, str]:
-    """sha256 of every file under ``root/vllm`` (bytecode caches excluded)."""
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted((root / "vllm").rglob("*"))
-        if p.is_file() and "__pycache__" not in p.parts
-    }
+def akv(*args: str) -> subprocess.CompletedProcess[str]:
+    """``activekv patch ARGS --patches`` this checkout's series."""
+    if not LAUNCHER.is_file():
+        pytest.skip(f"no {LAUNCHER}: run `make build`")
+    return subprocess.run([str(LAUNCHER), "patch", *args, "--patches", str(DEFAULT_PATCHES)], capture_output=True,
+                          text=True, timeout=120)
 
 
 # ------------------------------------------------------------------------------------------------------ the series
@@ -86,7 +76,7 @@ def digest(root: Path) -> dict[str, str]:
 def test_reference_tree_is_the_deterministic_wheel_commit(ref: Path) -> None:
     assert vllm_tree.git(ref, "rev-parse", "HEAD").strip() == vllm_tree.REFERENCE_COMMIT
     assert vllm_tree.git(ref, "status", "--porcelain", "--untracked-files=all") == ""
-    assert vllm_patch.vllm_version(ref) == "0.32.0"
+    assert vllm_version(ref) == "0.32.0"
     assert not list((ref / "vllm").rglob("*.so"))
     assert (ref / "vllm" / "platforms" / "cpu.py").is_file()
 
@@ -129,162 +119,22 @@ def test_git_am_applies_series_to_reference_repo(ref: Path, am_tree: Path, serie
     assert vllm_tree.git(am_tree, "status", "--porcelain") == ""
 
 
-def test_series_is_what_git_format_patch_makes(ref: Path, am_tree: Path, series: Series, tmp_path: Path) -> None:
-    base = vllm_tree.git(ref, "rev-parse", "HEAD").strip()
-    vllm_tree.git(
-        am_tree,
-        "format-patch",
-        "-q",
-        "--zero-commit",
-        "--no-signature",
-        "--filename-max-length=80",
-        "-o",
-        str(tmp_path),
-        f"{base}..HEAD",
-    )
-    made = sorted(tmp_path.glob("*.patch"))
+def test_series_is_what_export_makes(ref: Path, am_tree: Path, series: Series, tmp_path: Path) -> None:
+    """`python -m tools.vllm_patch export` (git format-patch of the reference commit..HEAD) of the git-am'd tree
+    rewrites the committed series byte for byte, its `series` file included."""
+    out = tmp_path / "series"
+    out.mkdir()
+    (out / "0009-stale.patch").write_text("replaced by the export\n")
+    done = subprocess.run([sys.executable, "-m", "tools.vllm_patch", "export", "--from", str(am_tree), "--base",
+                           vllm_tree.git(ref, "rev-parse", "HEAD").strip(), "--patches", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"wrote {len(series.patches)} patch(es) and series to {out}\n"
+    made = sorted(out.glob("*.patch"))
     assert [p.name for p in made] == [p.name for p in series.patches]
     for ours, remade in zip(series.patches, made, strict=True):
         assert ours.read_bytes() == remade.read_bytes(), ours.name
-
-
-# ------------------------------------------------------------------------------------------------------- the tool
-
-
-def test_tool_applies_to_installed_copy_like_git_am(installed: Path, am_tree: Path) -> None:
-    before = digest(installed)
-    status = tool("status", "--vllm", str(installed))
-    assert status.returncode == 0
-    assert status.stdout.startswith("not applied: vLLM 0.32.0")
-    assert tool("check", "--vllm", str(installed)).returncode == 1
-
-    done = tool("apply", "--vllm", str(installed))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"applied {len(Series.load(DEFAULT_PATCHES).patches)} patch(es)")
-    after = digest(installed)
-    assert after == digest(am_tree)
-    assert {k for k in after if before.get(k) != after[k]} == set(TOUCHED)
-    assert tool("check", "--vllm", str(installed)).returncode == 0
-    assert tool("status", "--vllm", str(installed)).stdout.startswith("applied: vLLM 0.32.0")
-
-
-def test_tool_accepts_the_vllm_package_dir_itself(installed: Path) -> None:
-    done = tool("apply", "--vllm", str(installed / "vllm"))
-    assert done.returncode == 0, done.stderr
-    assert (installed / NEW_MODULE).is_file()
-
-
-def test_reapply_is_idempotent(installed: Path) -> None:
-    assert tool("apply", "--vllm", str(installed)).returncode == 0
-    applied = digest(installed)
-    again = tool("apply", "--vllm", str(installed))
-    assert again.returncode == 0
-    assert "already applied" in again.stdout
-    assert digest(installed) == applied
-
-
-def test_revert_restores_every_byte(installed: Path) -> None:
-    before = digest(installed)
-    assert tool("apply", "--vllm", str(installed)).returncode == 0
-    assert digest(installed) != before
-    done = tool("revert", "--vllm", str(installed))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"reverted {len(Series.load(DEFAULT_PATCHES).patches)} patch(es)")
-    assert digest(installed) == before
-    assert not (installed / NEW_MODULE).exists()
-    again = tool("revert", "--vllm", str(installed))
-    assert again.returncode == 0
-    assert "nothing to revert" in again.stdout
-    assert tool("check", "--vllm", str(installed)).returncode == 1
-
-
-@pytest.mark.parametrize("command", ["apply", "revert"])
-def test_wrong_version_is_refused_and_nothing_changes(installed: Path, command: str) -> None:
-    version_file = installed / "vllm" / "_version.py"
-    version_file.write_text(version_file.read_text().replace("'0.32.0'", "'0.31.0'"))
-    before = digest(installed)
-    done = tool(command, "--vllm", str(installed))
-    assert done.returncode == 1
-    assert "vLLM 0.31.0" in done.stderr
-    assert "for vLLM 0.32.0 only" in done.stderr
-    assert digest(installed) == before
-    assert tool("check", "--vllm", str(installed)).returncode == 1
-
-
-def test_conflicting_file_is_refused_and_nothing_changes(installed: Path) -> None:
-    cpu = installed / "vllm" / "platforms" / "cpu.py"
-    cpu.write_text(cpu.read_text().replace("        if attn_selector_config.use_sparse:", "        if False:", 1))
-    before = digest(installed)
-    done = tool("apply", "--vllm", str(installed))
-    assert done.returncode == 1
-    assert "0003-" in done.stderr
-    assert "Nothing changed" in done.stderr
-    assert digest(installed) == before
-    status = tool("status", "--vllm", str(installed))
-    assert status.stdout.startswith("partially applied")
-    assert "conflict" in status.stdout
-
-
-def test_failure_after_dry_run_restores_every_file(
-    installed: Path, series: Series, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """git apply succeeds on the first patch, then fails: the files it already wrote are restored."""
-    real = vllm_patch.git_apply
-
-    def half_apply(root: Path, patches: list[Path], *, reverse: bool = False, check: bool = False):
-        if check:
-            return real(root, patches, reverse=reverse, check=True)
-        real(root, patches[:1], reverse=reverse)
-        return False, "simulated failure"
-
-    before = digest(installed)
-    monkeypatch.setattr(vllm_patch, "git_apply", half_apply)
-    with pytest.raises(PatchError, match="simulated failure"):
-        vllm_patch.apply(installed, series)
-    assert digest(installed) == before
-
-
-def test_partially_applied_is_reported_then_completed(installed: Path, series: Series) -> None:
-    ok, out = vllm_patch.git_apply(installed, [series.patches[0]])
-    assert ok, out
-    rest = len(series.patches) - 1
-    assert vllm_patch.patch_states(installed, series) == [State.APPLIED] + [State.NOT_APPLIED] * rest
-    status = tool("status", "--vllm", str(installed))
-    assert status.stdout.startswith("partially applied")
-    assert tool("check", "--vllm", str(installed)).returncode == 1
-    done = tool("apply", "--vllm", str(installed))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"applied {rest} patch(es)")
-    assert tool("check", "--vllm", str(installed)).returncode == 0
-
-
-def test_tool_works_on_a_package_dir_inside_a_git_checkout(ref: Path, tmp_path: Path) -> None:
-    checkout = tmp_path / "checkout"
-    site = checkout / ".venv" / "lib" / "site-packages"
-    site.mkdir(parents=True)
-    subprocess.run(["git", "init", "-q", str(checkout)], check=True, env=vllm_tree.git_env())
-    shutil.copytree(ref / "vllm", site / "vllm")
-    done = tool("apply", "--vllm", str(site))
-    assert done.returncode == 0, done.stderr
-    assert (site / NEW_MODULE).is_file()
-    assert not (checkout / NEW_MODULE).exists()
-    assert tool("revert", "--vllm", str(site)).returncode == 0
-    assert digest(site) == digest(ref)
-
-
-def test_bad_vllm_dir_is_refused(tmp_path: Path) -> None:
-    done = tool("status", "--vllm", str(tmp_path))
-    assert done.returncode == 1
-    assert "holds no vllm package" in done.stderr
-
-
-@pytest.mark.parametrize("option", ["--vllm", "--patches"])
-@pytest.mark.parametrize("spelled", ["joined", "separate"])
-def test_an_empty_dir_option_is_bad_usage(option: str, spelled: str) -> None:
-    """`--vllm ""` read as Path(""), the current directory, which then was patched if it held vllm/."""
-    done = tool("status", *([f"{option}="] if spelled == "joined" else [option, ""]))
-    assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr.endswith(f"error: argument {option}: needs DIR, got an empty value\n"), done.stderr
+    assert (out / "series").read_bytes() == (DEFAULT_PATCHES / "series").read_bytes()
 
 
 @pytest.mark.parametrize("entry, shown, why", [
@@ -299,8 +149,9 @@ def test_an_empty_dir_option_is_bad_usage(option: str, spelled: str) -> None:
 ])
 def test_a_series_entry_that_is_not_a_patch_file_name_is_refused(series: Series, tmp_path: Path, entry: str | None,
                                                                   shown: str, why: str) -> None:
-    """The dev-side twin of the launcher's loader (tests/test_launcher.py): `directory / "../x.patch"` and
-    `directory / "/abs.patch"` (which pathlib reads as the absolute path alone) lead out of the series' folder."""
+    """The dev-side reader refuses what the launcher's loader refuses (tests/test_launcher.py): `directory /
+    "../x.patch"` and `directory / "/abs.patch"` (which pathlib reads as the absolute path alone) lead out of the
+    series' folder."""
     outside = tmp_path / "outside.patch"
     shutil.copy2(series.patches[0], outside)
     (tmp_path / "outside.diff").write_bytes(series.patches[0].read_bytes())
@@ -351,14 +202,14 @@ def test_registry_path_names_the_new_class(am_tree: Path) -> None:
 
 def test_installed_vllm_equals_the_reference_for_patched_files(ref: Path, am_tree: Path) -> None:
     """The .venv's vllm is the wheel's: each file the series touches is byte-equal to one side of the series."""
-    assert vllm_patch.vllm_version(VENV_ROOT) == "0.32.0"
+    assert vllm_version(VENV_ROOT) == "0.32.0"
     for rel in TOUCHED + ["vllm/_version.py"]:
         ours = VENV_ROOT / rel
         sides = [(root / rel).read_bytes() for root in (ref, am_tree) if (root / rel).is_file()]
         if ours.is_file():
             assert ours.read_bytes() in sides, rel
-        else:
-            assert rel == NEW_MODULE
+        else:  # unpatched: only a file the series creates may be missing
+            assert not (ref / rel).is_file(), rel
 
 
 # ------------------------------------------------------------------------------------- patched vLLM at run time
@@ -508,8 +359,9 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> dict:
         if link.is_symlink():
             link.unlink()
             shutil.copyfile(VENV_ROOT / rel, link)
-    if vllm_patch.series_state(vllm_patch.patch_states(shadow, Series.load(DEFAULT_PATCHES))) != "applied":
-        assert tool("apply", "--vllm", str(shadow)).returncode == 0
+    if akv("check", "--vllm", str(shadow)).returncode != 0:
+        done = akv("apply", "--vllm", str(shadow))
+        assert done.returncode == 0, done.stderr
     (stub / "activekv").mkdir(parents=True)
     (stub / "activekv" / "_backend.py").write_text(textwrap.dedent(STUB_BACKEND))
     env = {**os.environ, "PYTHONPATH": f"{stub}{os.pathsep}{shadow}"}
@@ -577,9 +429,10 @@ def test_impl_and_builder_delegate_to_the_native_objects(probe: dict) -> None:
 
 
 def _apply_to_venv() -> None:
-    done = tool("apply")
-    assert done.returncode == 0, done.stderr
-    assert tool("check").returncode == 0
+    if akv("check").returncode != 0:
+        done = akv("apply")
+        assert done.returncode == 0, done.stderr
+    assert akv("check").returncode == 0
 
 
 def test_venv_vllm_has_the_activekv_registry_entry() -> None:

@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from release import repair  # noqa: E402
-from tests import vllm_tree  # noqa: E402
+from tools import vllm_tree  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())

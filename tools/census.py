@@ -22,7 +22,7 @@ compiled method returns an object of a compiled type implementing ``__await__``;
 registers and whether its endpoint is a compiled ASGI callable returning such an awaitable. Unless ``--no-import``,
 nothing else counts as met. Exit status: 0 when every exception is justified, every native callee resolved and every
 endpoint member is met natively, 1 otherwise, 2 when it cannot run.
-``--vllm-src`` defaults to the reference tree of ``tests/vllm_tree.py`` (``build/vllm-ref``, made when missing).
+``--vllm-src`` defaults to the reference tree of ``tools/vllm_tree.py`` (``build/vllm-ref``, made when missing).
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.vllm_src is None:
-            from tests.vllm_tree import reference_tree
+            from tools.vllm_tree import reference_tree
 
             args.vllm_src = reference_tree()
         series = Series.load(args.patches)

@@ -6,9 +6,11 @@ Usage::
     python -m tools.contracts list  --vllm-src DIR [--patches DIR] [--contracts FILE]
 
 ``DIR`` holds the reference ``vllm/`` (the unpatched vLLM 0.32.0 tree; a tree with the series applied is accepted and
-read through a reverse-applied copy of the touched files). ``--patches`` defaults to ``patches/vllm/v0.32.0`` and
-``--contracts`` to ``contracts.toml`` in it. ``check`` prints one line per problem and exits 1 when there is one, else
-prints a summary and exits 0. ``list`` prints each added Python line with its kind (tab-separated).
+read through a reverted copy of the touched files). The other side is made on a copy by the native launcher
+(``activekv patch``, tools.vllm_patch.materialize), so ``make build`` comes first. ``--patches`` defaults to
+``patches/vllm/v0.32.0`` and ``--contracts`` to ``contracts.toml`` in it. ``check`` prints one line per problem and
+exits 1 when there is one, else prints a summary and exits 0. ``list`` prints each added Python line with its kind
+(tab-separated).
 
 Schema (TOML)::
 

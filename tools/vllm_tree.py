@@ -12,7 +12,7 @@ The commit is deterministic (fixed author, committer, dates, message, file modes
 read), so its id is the same on every machine. Compiled extension modules (``vllm/*.so``, 436 MB of the 480 MB) are
 left out: they are neither patch targets nor citation sources, and leaving them out keeps the repository small.
 
-Usage: ``python -m tests.vllm_tree`` prints the reference tree's path (building it when needed).
+Usage: ``python -m tools.vllm_tree`` prints the reference tree's path (building it when needed).
 """
 
 from __future__ import annotations
