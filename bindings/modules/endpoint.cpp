@@ -14,7 +14,6 @@
 #include <activekv_py/awaitable.h>
 #include <activekv_py/common.h>
 
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -50,12 +49,8 @@ struct Response {
   std::vector<std::pair<std::string, std::string>> extra_headers;
 };
 
-std::string json_num(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[32];
-  const auto res = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form, as Python's repr
-  return std::string(buf, res.ptr);
-}
+/// A JSON number as Python's json.dumps writes a float (repr); null for inf and nan, which JSON lacks.
+std::string json_num(double v) { return std::isfinite(v) ? activekv::float_repr(v) : "null"; }
 
 /// vLLM's error body shape (ErrorResponse: {"error": {"message", "type", "param", "code"}}).
 Response error_response(int status, const std::string& type, const std::string& message) {

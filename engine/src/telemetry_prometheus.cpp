@@ -2,8 +2,8 @@
 // of a process tree's engines as plain structs; the _telemetry module adds labels and exposes them.
 #include <activekv/telemetry.h>
 
-#include <charconv>
 #include <cmath>
+#include <string>
 
 namespace activekv {
 
@@ -46,14 +46,17 @@ const CounterSpec kCounterSpecs[] = {
 static_assert(sizeof kCounterSpecs / sizeof kCounterSpecs[0] == static_cast<size_t>(Counter::kCount),
               "one Prometheus spec per counter, in Counter order");
 
+// A bucket bound as prometheus_client writes its `le` label (utils.floatToGoString): repr(float) ("1.0", "0.004096"),
+// Go's exponent form from 1e6 on ("1.048576e+06" for repr's "1048576.0"), "+Inf" for the last.
 std::string go_float(double v) {
-  if (std::isinf(v)) return "+Inf";
-  char buf[32];
-  const auto res = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form, as Python's repr
-  std::string s(buf, res.ptr);
-  // prometheus_client writes integral bounds as 1.0, 2.0, ...: keep the same label values.
-  if (s.find_first_of(".e") == std::string::npos) s += ".0";
-  return s;
+  if (std::isinf(v) && v > 0) return "+Inf";
+  const std::string s = float_repr(v);
+  const size_t dot = s.find('.');
+  if (!(v > 0) || dot == std::string::npos || dot <= 6) return s;
+  std::string mantissa = s.substr(0, 1) + "." + s.substr(1, dot - 1) + s.substr(dot + 1);
+  mantissa.erase(mantissa.find_last_not_of("0.") + 1);
+  const std::string exponent = std::to_string(dot - 1);
+  return mantissa + "e+" + (exponent.size() < 2 ? "0" : "") + exponent;
 }
 
 // Histogram with bucket bounds and sum multiplied by `scale` (microseconds -> seconds).

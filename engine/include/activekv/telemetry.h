@@ -208,6 +208,11 @@ std::vector<std::pair<std::string, std::string>> prometheus_counter_names();
 /// when `with_gauges` (the HTTP route's payload; the telemetry_json file keeps the three keys).
 std::string snapshot_to_json(const TelemetrySnapshot& s, bool with_gauges = false);
 
+/// `v` as Python's repr(float) writes it: the shortest digits that read back as `v` exactly, fixed notation for
+/// decimal exponents -4..15 (with ".0" when integral: "1.0", "-0.0"), "1e+16"/"1.5e-05" beyond, "inf", "-inf", "nan".
+/// The Prometheus `le` labels (as prometheus_client writes them) and the HTTP routes' JSON numbers use it.
+std::string float_repr(double v);
+
 /// `s` as a JSON string literal, quotes included: `"` and `\` escaped, control characters as \u00XX; other bytes
 /// (UTF-8) as they are.
 std::string json_string(const std::string& s);
