@@ -73,8 +73,9 @@ MetricFamily histogram_family(const std::string& name, const std::string& unit, 
   return f;
 }
 
-MetricFamily gauge_family(const std::string& name, const std::string& help, double value) {
-  return MetricFamily{name, help, "", "gauge", {{name, "", value}}};
+MetricFamily gauge_family(const std::string& name, const std::string& help, double value,
+                          const std::string& unit = "") {
+  return MetricFamily{name, help, unit, "gauge", {{name, "", value}}};
 }
 
 }  // namespace
@@ -108,6 +109,29 @@ std::vector<MetricFamily> prometheus_families(const std::vector<PublishedTelemet
                              static_cast<double>(published.size())));
   out.push_back(gauge_family("activekv_layers", "Attention layers served by the live ActiveKV engines.",
                              static_cast<double>(layers)));
+  // The engines' gauges (Gauge, merged as merge_snapshots does): the numbers of the /activekv/health route.
+  const auto gauge = [&](Gauge g) -> int64_t {
+    for (const auto& [k, v] : total.gauges)
+      if (k == gauge_name(g)) return v;
+    return 0;
+  };
+  out.push_back(gauge_family("activekv_mode",
+                             "Attention mode of the live ActiveKV engines: 0 exact, 1 compressed; -1 when they differ "
+                             "or none is live.",
+                             published.empty() ? -1.0 : static_cast<double>(gauge(Gauge::kMode))));
+  out.push_back(gauge_family("activekv_pool_resident_blocks",
+                             "Active-pool slots holding a KV block after each layer's last forward, summed over "
+                             "layers and engines.",
+                             static_cast<double>(gauge(Gauge::kPoolResidentBlocks))));
+  out.push_back(gauge_family("activekv_pool_capacity_blocks",
+                             "Active-pool slots, summed over layers and engines (pool_blocks x layers).",
+                             static_cast<double>(gauge(Gauge::kPoolCapacityBlocks))));
+  out.push_back(gauge_family("activekv_last_step_timestamp_seconds",
+                             "Unix time at the end of the latest native forward of any engine; 0 before the first.",
+                             static_cast<double>(gauge(Gauge::kLastStepUnixUs)) * 1e-6, "seconds"));
+  out.push_back(gauge_family("activekv_last_forward_seconds",
+                             "Wall time of that latest native forward (one layer, one step); 0 before the first.",
+                             static_cast<double>(gauge(Gauge::kLastForwardUs)) * 1e-6, "seconds"));
   return out;
 }
 

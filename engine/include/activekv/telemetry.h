@@ -197,7 +197,9 @@ struct MetricFamily {
 
 /// Every activekv_* family from the telemetry of a process tree (snapshot_process_tree()): a counter per Counter
 /// (activekv_<name>_total, summed), the forward latency histogram in seconds and the blocks admitted per forward
-/// histogram, and two gauges: activekv_engines (how many engines published) and activekv_layers (layers they serve).
+/// histogram, and gauges: activekv_engines (how many engines published), activekv_layers (layers they serve), and the
+/// engines' Gauge values (activekv_mode, activekv_pool_resident_blocks, activekv_pool_capacity_blocks,
+/// activekv_last_step_timestamp_seconds, activekv_last_forward_seconds).
 std::vector<MetricFamily> prometheus_families(const std::vector<PublishedTelemetry>& published);
 
 /// (counter snapshot key, its Prometheus sample name activekv_..._total), in Counter order.
