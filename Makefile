@@ -50,9 +50,9 @@ wheel: venv | $(ACTIVEKV) ## build dist/activekv-*.whl: scikit-build-core agains
 	$(PY) -m release.audit dist/activekv-*.whl
 
 # The same wheel built against a Debian bullseye sysroot (glibc 2.31, GCC 10; release/sysroot.sh makes it once with
-# debootstrap, as root): auditwheel tags it manylinux_2_31 instead of the build machine's glibc (docs/release.md).
+# debootstrap, as root): auditwheel tags it by the oldest glibc its symbols allow (manylinux_2_27: docs/release.md).
 SYSROOT ?= build/sysroot-bullseye
-wheel-compat: venv | $(ACTIVEKV) ## as `wheel`, for manylinux_2_31 (a bullseye sysroot); stops today at telemetry.cpp: docs/release.md
+wheel-compat: venv | $(ACTIVEKV) ## as `wheel`, against a bullseye sysroot (glibc 2.31, GCC 10): a manylinux_2_27 wheel
 	release/sysroot.sh $(SYSROOT)
 	rm -rf build/wheel-compat dist/activekv-*.whl
 	@$(call timed,build the wheel against $(SYSROOT),S=$(abspath $(SYSROOT)); CC=$$S/usr/bin/gcc-10 CXX=$$S/usr/bin/g++-10 \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A Debian bullseye sysroot (glibc 2.31, GCC 10) for `make wheel-compat`: the wheel built against it needs
-# GLIBC <= 2.31 and GLIBCXX <= 3.4.28, so auditwheel tags it manylinux_2_31 (Ubuntu 20.04, Debian 11 and later).
+# GLIBC <= 2.31 and GLIBCXX <= 3.4.28 at most, so auditwheel tags it manylinux_2_31 or older (manylinux_2_27 as
+# measured: docs/release.md).
 #
 #   release/sysroot.sh DIR     (root; debootstrap installed: apt-get install debootstrap)
 #

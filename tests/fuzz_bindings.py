@@ -1172,7 +1172,7 @@ _DRIVES = st.lists(st.sampled_from(["send_none", "send_value", "throw_value_erro
 
 
 @given(scope=_SCOPES, send_kind=_SENDS, drive=_DRIVES, init=st.sampled_from(["none", "client", "no"]),
-       route=st.sampled_from(["/v1/activekv/telemetry", "/v1/activekv/health"]))
+       route=st.sampled_from(["/activekv/telemetry", "/activekv/health"]))
 def fuzz_endpoint(scope, send_kind, drive, init, route) -> None:
     """The endpoint plugin's ASGI routes and their awaitables with odd scopes, odd send callables and any driving
     sequence: never a crash; a rejected call is a TypeError/ValueError naming what was expected; a driven awaitable

@@ -651,6 +651,62 @@ def test_the_general_plugin_warns_with_the_fix_on_an_unpatched_vllm_and_never_st
                                "on the vLLM this process imported: the ActiveKV patch series is not applied on vLLM "
                                f"0.32.0 at {site}/vllm. "), lines[0]
     assert f"`activekv patch apply --vllm {site}`" in lines[0]
-    assert lines[0].endswith("restart this process. Until then vLLM does not know the ACTIVEKV attention backend "
-                             "(selecting it fails with vLLM's 'Unknown attention backend'); other backends are not "
-                             "affected."), lines[0]
+    assert ("restart this process. Until then vLLM does not know the ACTIVEKV attention backend (selecting it fails "
+            "with vLLM's 'Unknown attention backend'); other backends are not affected.") in lines[0], lines[0]
+
+
+STAT_LOGGERS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from argparse import Namespace
+sys.stderr = sys.stdout  # warnings and vLLM's log in one stream, in the order a user reads them
+import vllm
+from vllm.logger import configure_logging_from_args
+from vllm.plugins import load_general_plugins
+from vllm.v1.metrics.loggers import load_stat_logger_plugin_factories
+assert vllm.__file__ == sys.argv[1] + "/vllm/__init__.py", vllm.__file__
+configure_logging_from_args(Namespace())  # vLLM's CLI (entrypoints/cli/main.py) first thing: its log format
+load_general_plugins()  # EngineArgs at start-up, before AsyncLLM builds its stat loggers
+print("factories:", [f.__name__ for f in load_stat_logger_plugin_factories()])  # what AsyncLLM does next
+"""
+
+
+def test_the_general_plugin_explains_vllms_stat_logger_failure_line_before_it(tmp_path: Path) -> None:
+    """The wheel's vllm.stat_logger_plugins entry point names vllm.v1.metrics.activekv, a module the series adds: on an
+    unpatched vLLM, vLLM's loader logs 'Failed to load plugin activekv' with a ModuleNotFoundError and no word of
+    ActiveKV. The general plugin's warning, printed first in the same API server process (Python's default warning
+    filters, vLLM's default logging), quotes both lines as vLLM writes them and says what they mean and the fix."""
+    site = linked_vllm(tmp_path / "site")
+
+    def start() -> list[str]:
+        return over_site(STAT_LOGGERS, site, drop=("VLLM_PLUGINS", "VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING",
+                                                   "PYTHONWARNINGS"))
+
+    lines = start()
+    assert lines[-1] == "factories: ['ActiveKVStatLogger']" and not [x for x in lines if "ActiveKV is" in x], lines
+    for patch in reversed(SERIES.patches):
+        git_apply(site, patch, "-R")
+    lines = start()
+    assert lines[-1] == "factories: []", lines
+    warned = [i for i, x in enumerate(lines) if "RuntimeWarning: ActiveKV is installed but" in x]
+    failed = [i for i, x in enumerate(lines) if "ERROR" in x and x.endswith("Failed to load plugin activekv")]
+    missing = [i for i, x in enumerate(lines)
+               if "ERROR" in x and x.endswith("] ModuleNotFoundError: No module named 'vllm.v1.metrics.activekv'")]
+    assert len(warned) == len(failed) == len(missing) == 1 and warned[0] < failed[0] < missing[0], lines
+    warning = lines[warned[0]]
+    assert f"`activekv patch apply --vllm {site}`" in warning
+    quoted = re.findall(r'"([^"]+)"', warning)
+    assert quoted == ["Failed to load plugin activekv", "ModuleNotFoundError: No module named "
+                      "'vllm.v1.metrics.activekv'"], warning
+    assert lines[failed[0]].endswith("] " + quoted[0]) and lines[missing[0]].endswith("] " + quoted[1])
+    assert warning.endswith("ActiveKV's stat logger (its activekv_* metrics on /metrics) is a module the series "
+                            "adds; the same fix clears it, and vLLM serves without those metrics until then."), warning
+    # Only the stat-logger module missing (the other patches applied): the same explanation.
+    git_apply(site, SERIES.patches[0])
+    assert [x for x in start() if "RuntimeWarning" in x][0].endswith("without those metrics until then.")
+    # Everything applied but the stat logger's module present: no word of it (vLLM loads the plugin).
+    for patch in SERIES.patches[1:]:
+        git_apply(site, patch)
+    (site / STAT_LOGGER).write_text((site / STAT_LOGGER).read_text() + "# changed\n")
+    warning = [x for x in start() if "RuntimeWarning" in x][0]
+    assert "Failed to load plugin" not in warning and "matching neither the patched nor" in warning, warning

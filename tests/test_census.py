@@ -120,7 +120,7 @@ def test_census_reports_the_endpoint_plugin_contract(ref: Path) -> None:
     }
     assert all(re.fullmatch(r"vllm/plugins/endpoint_plugins/interface\.py:\d+", m["cites"])
                for k, m in members.items() if not k.startswith("route"))
-    assert members["route /v1/activekv/telemetry"]["how"] == members["route /v1/activekv/health"]["how"] == \
+    assert members["route /activekv/telemetry"]["how"] == members["route /activekv/health"]["how"] == \
         "native ASGI app"
 
 

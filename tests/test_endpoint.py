@@ -1,7 +1,8 @@
 """activekv._endpoint: vLLM's endpoint-plugin contract in C++ (bindings/modules/endpoint.cpp, docs/async-native.md).
 
 The native awaitable is driven by hand (send/throw/close, values forwarded both ways), then by asyncio, then through
-Starlette's routing with its TestClient: status codes, JSON bodies, 405, HEAD, the 500 paths, bad input.
+Starlette's routing with its TestClient: status codes, JSON bodies, 405, HEAD, the 500 and 503 paths, bad input, and
+vLLM's API-key middleware in front (the routes are outside its guarded prefixes, like vLLM's /health and /metrics).
 """
 
 from __future__ import annotations
@@ -80,7 +81,10 @@ def test_contract_shape() -> None:
     assert isinstance(plugin, EndpointPlugin)  # vLLM's runtime-checkable Protocol
     assert plugin.name == "activekv" and plugin.required_tasks is None and not plugin.initialized
     added = routes(plugin)
-    assert set(added) == {"/v1/activekv/telemetry", "/v1/activekv/health"}
+    assert set(added) == {"/activekv/telemetry", "/activekv/health"}
+    from vllm.entrypoints.serve.middleware.authenticate import GUARDED_PREFIX
+
+    assert not [p for p in added if p.startswith(GUARDED_PREFIX)]  # operational routes: no API key, as /health
     # vLLM's serve_http logs `endpoint.__name__` of every route registered without methods (launcher.py:206).
     assert {r.__name__ for r in added.values()} == {"activekv_telemetry", "activekv_health"}
     assert type(plugin.init_state(None, None, None)) is endpoint.Awaitable
@@ -94,7 +98,7 @@ def test_values_are_forwarded_both_ways() -> None:
         messages.append(message)
         return suspend(log, message["type"])
 
-    aw = routes(ready_plugin())["/v1/activekv/health"](dict(HTTP, method="POST"), None, send)
+    aw = routes(ready_plugin())["/activekv/health"](dict(HTTP, method="POST"), None, send)
     it = aw.__await__()
     assert it is aw  # the awaitable is its own iterator
     assert it.send(None) == "http.response.start"  # what send's awaitable yields goes out to the driver
@@ -114,14 +118,14 @@ def test_values_are_forwarded_both_ways() -> None:
 def test_throw_is_forwarded_into_the_awaited_send() -> None:
     log: list = []
     send = lambda m: suspend(log, m["type"], catch=True)  # noqa: E731
-    it = routes(ready_plugin())["/v1/activekv/health"](dict(HTTP, method="PUT"), None, send).__await__()
+    it = routes(ready_plugin())["/activekv/health"](dict(HTTP, method="PUT"), None, send).__await__()
     assert next(it) == "http.response.start"
     assert it.throw(ValueError("boom")) == "http.response.body"  # caught inside send: the response goes on
     with pytest.raises(StopIteration):
         it.send(None)
     assert log == [("http.response.start", "caught boom"), ("http.response.body", None)]
     # Not caught inside send: it ends the awaitable with that exception.
-    it = routes(ready_plugin())["/v1/activekv/health"](dict(HTTP, method="PUT"), None,
+    it = routes(ready_plugin())["/activekv/health"](dict(HTTP, method="PUT"), None,
                                                          lambda m: suspend([], "x")).__await__()
     next(it)
     with pytest.raises(ValueError, match="again"):
@@ -142,7 +146,7 @@ def test_close_closes_the_awaited_send() -> None:
                 raise
         return types.coroutine(gen)()
 
-    it = routes(ready_plugin())["/v1/activekv/health"](dict(HTTP, method="DELETE"), None, send).__await__()
+    it = routes(ready_plugin())["/activekv/health"](dict(HTTP, method="DELETE"), None, send).__await__()
     assert next(it) == "suspended"
     assert it.close() is None
     assert closed == ["http.response.start"]
@@ -158,7 +162,7 @@ def test_awaitable_protocol_rejections() -> None:
         plugin.init_state(None, None, None).send(1)
     with pytest.raises(TypeError, match="cannot create"):
         endpoint.Awaitable()
-    it = routes(ready_plugin())["/v1/activekv/health"](dict(HTTP, method="POST"), None, lambda m: 7).__await__()
+    it = routes(ready_plugin())["/activekv/health"](dict(HTTP, method="POST"), None, lambda m: 7).__await__()
     with pytest.raises(TypeError, match="not awaitable"):
         next(it)
 
@@ -171,7 +175,7 @@ def test_reentry_is_refused() -> None:
     def send(message):
         holder["aw"].close()
 
-    aw = holder["aw"] = routes(ready_plugin())["/v1/activekv/health"](dict(HTTP, method="POST"), None, send)
+    aw = holder["aw"] = routes(ready_plugin())["/activekv/health"](dict(HTTP, method="POST"), None, send)
     with pytest.raises(ValueError, match="already executing"):
         aw.send(None)
     with pytest.raises(RuntimeError, match="already finished"):
@@ -188,7 +192,7 @@ def test_asyncio_drives_it_with_a_real_event_loop() -> None:
     async def main():
         plugin = endpoint.EndpointPlugin()
         assert await plugin.init_state(Client(), types.SimpleNamespace(), Namespace()) is None
-        await routes(plugin)["/v1/activekv/health"](dict(HTTP, method="PATCH"), None, send)
+        await routes(plugin)["/activekv/health"](dict(HTTP, method="PATCH"), None, send)
         return plugin
 
     assert asyncio.run(main()).initialized
@@ -207,7 +211,7 @@ def test_cancellation_reaches_the_awaited_send() -> None:
 
     async def main():
         task = asyncio.ensure_future(
-            routes(ready_plugin())["/v1/activekv/health"](dict(HTTP, method="POST"), None, send).__await__())
+            routes(ready_plugin())["/activekv/health"](dict(HTTP, method="POST"), None, send).__await__())
         await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -218,7 +222,7 @@ def test_cancellation_reaches_the_awaited_send() -> None:
 
 
 def test_bad_input_is_a_clear_exception() -> None:
-    route = routes(ready_plugin())["/v1/activekv/telemetry"]
+    route = routes(ready_plugin())["/activekv/telemetry"]
     with pytest.raises(TypeError, match="scope must be a dict, got int"):
         route(1, None, lambda m: None)
     with pytest.raises(TypeError, match="send must be callable, got str"):
@@ -260,38 +264,77 @@ def test_routes_serve_the_process_tree_telemetry(app_client) -> None:
     engine = make_engine()
     cache = drive(engine)
     client = app_client(Client())
-    r = client.get("/v1/activekv/telemetry")
+    r = client.get("/activekv/telemetry")
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
     data = r.json()
     assert data["object"] == "activekv.telemetry" and data["engines"] >= 1
     assert set(data) >= {"counters", "histograms", "info", "gauges", "pids"}
     assert data["counters"]["forward_calls"] >= 1
     assert data["counters"]["forward_calls"] == sum(s["forward_calls"] for s in telemetry.process_tree_snapshots())
-    h = client.get("/v1/activekv/health")
+    h = client.get("/activekv/health")
     assert h.status_code == 200, h.text
     health = h.json()
     assert health["status"] == "ok" and health["mode"] in ("exact", "mixed")
     assert health["pool"]["capacity_blocks"] >= 4 * 2 and health["pool"]["resident_blocks"] >= 3
     assert 0 < health["pool"]["occupancy"] <= 1
     assert health["last_step"]["age_s"] >= 0 and health["last_step"]["forward_us"] >= 0
-    head = client.head("/v1/activekv/health")
+    head = client.head("/activekv/health")
     assert head.status_code == 200 and head.content == b"" and int(head.headers["content-length"]) > 0
-    r = client.post("/v1/activekv/telemetry")
+    r = client.post("/activekv/telemetry")
     assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD" and r.json()["error"]["code"] == 405
+    # /metrics carries the same mode and pool numbers (the stat logger's collector reads the same segments).
+    gauges = {f.name: f.samples[0].value for f in telemetry.Collector().collect() if f.type == "gauge"}
+    assert gauges["activekv_mode"] == {"exact": 0, "compressed": 1, "mixed": -1}[health["mode"]]
+    assert gauges["activekv_pool_capacity_blocks"] == health["pool"]["capacity_blocks"]
+    assert gauges["activekv_pool_resident_blocks"] == health["pool"]["resident_blocks"]
+    assert gauges["activekv_last_step_timestamp_seconds"] == pytest.approx(health["last_step"]["unix_time"], abs=1e-6)
+    assert gauges["activekv_last_forward_seconds"] == pytest.approx(health["last_step"]["forward_us"] * 1e-6)
     del engine, cache
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_500_paths_answer_json(app_client) -> None:
-    r = app_client(init=False).get("/v1/activekv/telemetry")
+def test_error_paths_answer_json(app_client) -> None:
+    r = app_client(init=False).get("/activekv/telemetry")
     assert r.status_code == 500 and r.json()["error"]["type"] == "ActiveKVNotInitialized"
-    r = app_client(None).get("/v1/activekv/health")  # vLLM's render server: no engine client
+    r = app_client(None).get("/activekv/health")  # vLLM's render server: no engine client
     assert r.status_code == 500 and r.json()["error"]["type"] == "ActiveKVNoEngine"
-    r = app_client(Client(errored=True)).get("/v1/activekv/health")
-    assert r.status_code == 500 and r.json()["error"]["type"] == "EngineDeadError"
-    r = app_client(Client(errored=KeyError("gone"))).get("/v1/activekv/health")  # also logged as unraisable
-    assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
-    assert "gone" in r.json()["error"]["message"]
+    for path in ("/activekv/health", "/activekv/telemetry"):  # a dead engine: 503, as vLLM's /health answers
+        r = app_client(Client(errored=True)).get(path)
+        assert r.status_code == 503 and r.json()["error"] == {
+            "message": "vLLM's engine client reports the engine has errored", "type": "EngineDeadError",
+            "param": None, "code": 503}
+        r = app_client(Client(errored=KeyError("gone"))).get(path)  # also logged as unraisable
+        assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+        assert "gone" in r.json()["error"]["message"]
+
+
+def test_vllms_api_key_guards_v1_but_not_these_routes() -> None:
+    """vLLM's own middleware (what --api-key installs) in front of an app with the routes and a /v1 route: the
+    routes answer without the key, as vLLM's /health and /metrics do; /v1 still needs it."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    engine = make_engine()
+    cache = drive(engine)
+    app = FastAPI()
+    app.add_api_route("/v1/models", lambda: {"data": []})
+    plugin = endpoint.EndpointPlugin()
+    plugin.attach_router(app)
+    asyncio.run(_await(plugin.init_state(Client(), types.SimpleNamespace(), Namespace())))
+    app.add_middleware(AuthenticationMiddleware, tokens=["secret"])
+    client = TestClient(app)
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer secret"}).status_code == 200
+    for path in ("/activekv/health", "/activekv/telemetry"):
+        assert client.get(path).status_code == 200
+        assert client.get("/v1" + path).status_code == 401  # the old place is guarded, and gone:
+        assert client.get("/v1" + path, headers={"Authorization": "Bearer secret"}).status_code == 404
+    del engine, cache
+
+
+async def _await(aw):
+    return await aw
 
 
 def test_no_engine_is_a_500_with_json(tmp_path) -> None:

@@ -1,11 +1,12 @@
 """ActiveKV's native endpoint plugin in a running server: `activekv serve` (the native launcher of this build, in
 .venv) on the tiny Llama with --api-key, VLLM_PLUGINS left to the launcher, the engine core in its own process.
 
-Checks that vLLM loads the plugin through its entry point, that GET /v1/activekv/telemetry and /v1/activekv/health
-answer with live numbers that move while requests run (and agree with /metrics), that /v1 guarding applies (401
-without the key), 405 for other methods, a 500 with a JSON body when the engines' telemetry segments are unavailable
-while the server keeps serving, and that a profile of the API server process during those calls (py-spy, native
-frames included) shows the native route code running and no ActiveKV Python frame.
+Checks that vLLM loads the plugin through its entry point, that GET /activekv/telemetry and /activekv/health answer
+with live numbers that move while requests run (and agree with /metrics, which carries the mode and pool gauges too),
+that they need no API key while /v1 does (vLLM's /health and /metrics alike), 405 for other methods, a 500 with a
+JSON body when the engines' telemetry segments are unavailable while the server keeps serving, that a profile of the
+API server process during those calls (py-spy, native frames included) shows the native route code running and no
+ActiveKV Python frame, and, last, that once the engine core is killed both routes answer 503 as vLLM's /health does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -88,37 +90,41 @@ def test_the_plugin_is_loaded_through_its_entry_point(server: dict) -> None:
         assert "activekv_forward_calls_total" in r.read().decode()
 
 
-def test_routes_under_v1_need_the_api_key(server: dict) -> None:
-    for path in ("/v1/activekv/telemetry", "/v1/activekv/health"):
-        status, _, body = get(server, path, key=None)
-        assert status == 401 and body == {"error": "Unauthorized"}
-        status, _, _ = get(server, path, key="wrong")
-        assert status == 401
-        assert get(server, path)[0] == 200
+def test_routes_need_no_api_key_as_vllms_health_and_metrics(server: dict) -> None:
+    for path in ("/activekv/telemetry", "/activekv/health"):
+        assert get(server, path, key=None)[0] == 200
+        assert get(server, path, key="wrong")[0] == 200  # the middleware does not look at them at all
+    for path in ("/health", "/metrics"):
+        with urllib.request.urlopen(f"http://127.0.0.1:{server['port']}{path}", timeout=30) as r:
+            assert r.status == 200
+    status, _, body = get(server, "/v1/models", key=None)  # --api-key still guards /v1
+    assert status == 401 and body == {"error": "Unauthorized"}
+    assert get(server, "/v1/models")[0] == 200
+    assert get(server, "/v1/activekv/health")[0] == 404  # nothing left at the old place
 
 
 def test_other_methods_get_405(server: dict) -> None:
     for method in ("POST", "PUT", "DELETE"):
-        status, headers, body = get(server, "/v1/activekv/telemetry", method=method)
+        status, headers, body = get(server, "/activekv/telemetry", method=method)
         assert status == 405 and headers["allow"] == "GET, HEAD" and body["error"]["code"] == 405
 
 
 def test_numbers_move_while_requests_run(server: dict) -> None:
-    status, _, before = get(server, "/v1/activekv/telemetry")
+    status, _, before = get(server, "/activekv/telemetry")
     assert status == 200 and before["engines"] >= 1 and before["info"]["num_layers"] == NUM_LAYERS
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(complete(server, list(range(1, 301)), 48)))
     worker.start()
     during: list[tuple[int, dict]] = []
     while worker.is_alive():
-        status, _, t = get(server, "/v1/activekv/telemetry")
-        h_status, _, h = get(server, "/v1/activekv/health")
+        status, _, t = get(server, "/activekv/telemetry")
+        h_status, _, h = get(server, "/activekv/health")
         assert status == 200 and h_status == 200, (t, h)
         during.append((t["counters"]["forward_calls"], h))
         time.sleep(0.02)
     worker.join()
     assert result["usage"]["completion_tokens"] == 48
-    _, _, after = get(server, "/v1/activekv/telemetry")
+    _, _, after = get(server, "/activekv/telemetry")
     seen = sorted({calls for calls, _ in during})
     assert len(seen) >= 2, f"forward_calls did not move across {len(during)} reads during the request: {seen}"
     assert before["counters"]["forward_calls"] <= seen[0] and seen[-1] <= after["counters"]["forward_calls"]
@@ -126,7 +132,7 @@ def test_numbers_move_while_requests_run(server: dict) -> None:
     assert d["build_calls"] >= 48 and d["forward_calls"] == NUM_LAYERS * d["build_calls"]
     assert d["tokens_written"] == NUM_LAYERS * (300 + 48 - 1)
     assert after["gauges"]["pool_capacity_blocks"] == POOL_BLOCKS * NUM_LAYERS
-    status, _, health = get(server, "/v1/activekv/health")
+    status, _, health = get(server, "/activekv/health")
     assert status == 200 and health["status"] == "ok" and health["mode"] == "exact"
     pool = health["pool"]
     assert pool["capacity_blocks"] == POOL_BLOCKS * NUM_LAYERS and 0 < pool["resident_blocks"] <= pool["capacity_blocks"]
@@ -137,8 +143,13 @@ def test_numbers_move_while_requests_run(server: dict) -> None:
     # The same numbers as the Prometheus families on /metrics (the engine is idle now).
     with urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/metrics", timeout=30) as r:
         metrics = r.read().decode()
-    line = next(x for x in metrics.splitlines() if x.startswith("activekv_forward_calls_total{"))
-    assert float(line.split()[-1]) == after["counters"]["forward_calls"]
+    def metric(name: str) -> float:
+        return float(next(x for x in metrics.splitlines() if x.startswith(name + "{")).split()[-1])
+
+    assert metric("activekv_forward_calls_total") == after["counters"]["forward_calls"]
+    assert metric("activekv_mode") == 0 and metric("activekv_pool_capacity_blocks") == POOL_BLOCKS * NUM_LAYERS
+    assert metric("activekv_pool_resident_blocks") == after["gauges"]["pool_resident_blocks"]
+    assert metric("activekv_last_step_timestamp_seconds") == after["gauges"]["last_step_unix_us"] * 1e-6
     server["telemetry"] = after
     if os.environ.get("ACTIVEKV_ENDPOINT_OUT"):  # docs/async-native.md's sample responses are captured this way
         Path(os.environ["ACTIVEKV_ENDPOINT_OUT"]).write_text(json.dumps({"telemetry": after, "health": health}))
@@ -153,7 +164,7 @@ def test_profile_of_the_api_server_shows_native_routes_and_no_activekv_python(se
     time.sleep(1.5)
     deadline, calls = time.monotonic() + 5, 0
     while time.monotonic() < deadline:
-        for path in ("/v1/activekv/telemetry", "/v1/activekv/health"):
+        for path in ("/activekv/telemetry", "/activekv/health"):
             assert get(server, path)[0] == 200
             calls += 1
     spy_out, _ = spy.communicate(timeout=120)
@@ -183,7 +194,7 @@ def test_unavailable_telemetry_is_a_json_500_and_the_server_keeps_serving(server
     moved = [shutil.move(str(p), str(away / p.name)) for p in sorted(segments.iterdir())]
     assert moved, "no telemetry segment to move"
     try:
-        for path in ("/v1/activekv/telemetry", "/v1/activekv/health"):
+        for path in ("/activekv/telemetry", "/activekv/health"):
             status, headers, body = get(server, path)
             assert status == 500 and headers["content-type"] == "application/json"
             assert body["error"]["type"] == "ActiveKVTelemetryUnavailable" and str(segments) in body["error"]["message"]
@@ -193,6 +204,28 @@ def test_unavailable_telemetry_is_a_json_500_and_the_server_keeps_serving(server
     finally:
         for p in sorted(away.iterdir()):
             shutil.move(str(p), str(segments / p.name))
-    status, _, body = get(server, "/v1/activekv/telemetry")
+    status, _, body = get(server, "/activekv/telemetry")
     assert status == 200 and body["counters"]["forward_calls"] > server.get("telemetry", {"counters": {
         "forward_calls": 0}})["counters"]["forward_calls"]
+
+
+def test_a_dead_engine_is_a_503_as_vllms_health(server: dict) -> None:
+    """Last in this module (the server has no engine afterwards): the engine core killed, vLLM's client marks the
+    engine dead (its monitor thread sees the process end) and /health answers 503; so do both routes."""
+    status, _, body = get(server, "/activekv/telemetry")
+    assert status == 200 and len(body["pids"]) == 1, body
+    os.kill(body["pids"][0], signal.SIGKILL)  # the engine core: this server's child, started by this test's fixture
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/health", timeout=30).close()
+        except urllib.error.HTTPError as e:
+            assert e.code == 503
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("vLLM's /health did not answer 503 within 60 s of the engine core's death")
+    for path in ("/activekv/health", "/activekv/telemetry"):
+        status, headers, body = get(server, path, key=None)
+        assert status == 503 and headers["content-type"] == "application/json", (status, body)
+        assert body["error"]["type"] == "EngineDeadError" and body["error"]["code"] == 503

@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO / ".venv" / "bin" / "activekv"
 START_TIMEOUT_S = 600
 NUM_LAYERS = SPEC["num_hidden_layers"]
+POOL_BLOCKS = 8
 SAMPLE = re.compile(r"^(activekv_[a-z_]+)(\{[^}]*\})? (\S+)$")
 
 
@@ -42,7 +43,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     port, log, tjson = serving.free_port(), tmp / "serve.log", tmp / "telemetry.json"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # spawn the engine core
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    options = {"activekv": {"pool_blocks": 8, "tile_blocks": 4, "telemetry_json": str(tjson)}}
+    options = {"activekv": {"pool_blocks": POOL_BLOCKS, "tile_blocks": 4, "telemetry_json": str(tjson)}}
     cmd = [str(LAUNCHER), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "tiny",
            "--additional-config", json.dumps(options)]
@@ -78,13 +79,18 @@ def test_metrics_follow_prometheus_conventions(server: dict) -> None:
     text, values = scrape(server)
     types = dict(re.findall(r"^# TYPE (activekv_\S+) (\S+)$", text, re.M))
     counters = [n for n, t in types.items() if t == "counter"]
-    assert len(counters) == 19 and all(n.endswith("_total") for n in counters)
+    assert len(counters) == 21 and all(n.endswith("_total") for n in counters)
     assert types["activekv_forward_latency_seconds"] == "histogram"
     assert types["activekv_blocks_admitted_per_forward"] == "histogram"
-    assert types["activekv_engines"] == types["activekv_layers"] == "gauge"
+    gauges = ("activekv_engines", "activekv_layers", "activekv_mode", "activekv_pool_resident_blocks",
+              "activekv_pool_capacity_blocks", "activekv_last_step_timestamp_seconds", "activekv_last_forward_seconds")
+    assert {n: types[n] for n in gauges} == dict.fromkeys(gauges, "gauge")
     assert "activekv_host_to_pool_bytes_total" in types
     assert get(values, "activekv_engines") >= 1  # the engine core, another process, publishes its engine
     assert get(values, "activekv_layers") == NUM_LAYERS
+    assert get(values, "activekv_mode") == 0  # exact, the default
+    assert get(values, "activekv_pool_capacity_blocks") == POOL_BLOCKS * NUM_LAYERS  # summed over layers
+    assert 0 <= get(values, "activekv_pool_resident_blocks") <= get(values, "activekv_pool_capacity_blocks")
     assert 'activekv_forward_latency_seconds_bucket{le="+Inf",model_name="tiny"}' in values
 
 

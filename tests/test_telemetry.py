@@ -268,3 +268,45 @@ def test_pool_to_host_bytes_help_says_what_it_counts() -> None:
     doc = families["activekv_pool_to_host_bytes"].documentation
     assert "KV updates" in doc and "device to host" in doc and "today" not in doc
     assert telemetry.METRIC_NAMES["bytes_d2h"] == "activekv_pool_to_host_bytes_total"
+
+
+def _float_repr_cases() -> list[float]:
+    """Seeded random bit patterns (every exponent, subnormals, NaNs with either sign), values and integers of the
+    callers' ranges, every power of two and ten a double holds, the edges of the format's rules, inf and nan."""
+    import random
+    import struct
+
+    rng = random.Random(20240531)
+    bits = [struct.unpack("<d", rng.getrandbits(64).to_bytes(8, "little"))[0] for _ in range(50000)]
+    subnormal = [struct.unpack("<d", rng.getrandbits(52).to_bytes(8, "little"))[0] for _ in range(2000)]
+    ranges = [rng.uniform(0, 1) for _ in range(5000)] + [rng.getrandbits(53) * 1e-6 for _ in range(5000)]
+    integers = [float(i) for i in range(-1000, 1001)] + [float(rng.getrandbits(rng.randrange(1, 64))) for _ in
+                                                          range(3000)]
+    powers = [2.0**e for e in range(-1074, 1024)] + [10.0**e for e in range(-323, 309)] + [
+        2.0**i * 1e-6 for i in range(23)]  # the latency histogram's bucket bounds in seconds
+    edges = [5e-324, -5e-324, 2.2250738585072009e-308, 2.2250738585072014e-308, 1.7976931348623157e308, 0.0, -0.0,
+             1e15, 1e16, 9999999999999998.0, 1e16 - 2, 123456789012345678.0, 1e-4, 1e-5, 0.00009999999999999999,
+             0.1, 0.2, 0.30000000000000004, 1 / 3, 2 / 3, 9007199254740993.0, math.inf, -math.inf, math.nan,
+             -math.nan]
+    return bits + subnormal + ranges + integers + powers + edges
+
+
+def test_float_repr_is_pythons_repr() -> None:
+    cases = _float_repr_cases()
+    assert sum(math.isnan(v) for v in cases) >= 2 and sum(0 < abs(v) < 2.2250738585072014e-308 for v in cases) > 2000
+    wrong = [(v.hex(), telemetry.float_repr(v), repr(v)) for v in cases if telemetry.float_repr(v) != repr(v)]
+    assert wrong == [], f"{len(wrong)} of {len(cases)} differ from repr, e.g. {wrong[:5]}"
+    assert [telemetry.float_repr(v) for v in (1.0, -0.0, 1e16, 1e-5, 0.0001, 1e15)] == [
+        "1.0", "-0.0", "1e+16", "1e-05", "0.0001", "1000000000000000.0"]
+    with pytest.raises(TypeError, match="float_repr"):
+        telemetry.float_repr("1.0")
+
+
+def test_histogram_le_labels_are_prometheus_clients() -> None:
+    """The le labels the collector writes are those prometheus_client writes for the same bounds (floatToGoString)."""
+    from prometheus_client.utils import floatToGoString
+
+    families = {f.name: f for f in telemetry.Collector().collect()}
+    for name, scale in (("activekv_forward_latency_seconds", 1e-6), ("activekv_blocks_admitted_per_forward", 1.0)):
+        les = [s.labels["le"] for s in families[name].samples if s.name == name + "_bucket"]
+        assert les == [floatToGoString(2.0**i * scale) for i in range(len(les) - 1)] + ["+Inf"]

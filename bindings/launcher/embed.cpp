@@ -216,7 +216,7 @@ PluginsDecision plugins_allowlist(const char* current, const Environment& env) {
     // unset (vLLM's behaviour unchanged) and say that ActiveKV's routes are off.
     d.warning = "activekv: warning: VLLM_PLUGINS left unset: plugin(s) " + conflicts +
                 " also register endpoint plugins, so allowlisting activekv's routes would turn theirs on too. "
-                "ActiveKV's /v1/activekv/* routes are off; set VLLM_PLUGINS yourself (add activekv) to choose.\n";
+                "ActiveKV's /activekv/* routes are off; set VLLM_PLUGINS yourself (add activekv) to choose.\n";
     return d;
   }
   d.set = true;

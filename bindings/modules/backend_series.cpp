@@ -4,6 +4,7 @@
 #include <activekv_py/backend_parts.h>
 #include <activekv_py/common.h>
 #include <dlfcn.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <optional>
@@ -49,6 +50,19 @@ std::string patched_vllm_problem() {
   in.patch_dir = installed_patch_dir();
   py::gil_scoped_release release;
   return series::decide_startup_problem(in);
+}
+
+/// Whether the vLLM this process imported lacks vllm/v1/metrics/activekv.py, the module the series' stat-logger patch
+/// adds and ActiveKV's vllm.stat_logger_plugins entry point names (pyproject.toml). Reads sys.modules, imports nothing.
+bool stat_logger_module_missing() {
+  PyObject* modules = PySys_GetObject("modules");  // borrowed
+  PyObject* vllm = modules != nullptr && PyDict_Check(modules) ? PyDict_GetItemString(modules, "vllm") : nullptr;
+  if (vllm == nullptr) return false;
+  const py::object file = py::getattr(py::handle(vllm), "__file__", py::none());
+  if (!py::isinstance<py::str>(file)) return false;
+  const std::string module = series::join(series::dirname(file.cast<std::string>()), "v1/metrics/activekv.py");
+  py::gil_scoped_release release;
+  return ::access(module.c_str(), F_OK) != 0;
 }
 
 }  // namespace
@@ -124,15 +138,23 @@ void register_series(py::module_& m) {
         const std::string problem = patched_vllm_problem();
         if (problem.empty()) return;
         const std::string end = problem.back() == '.' ? " " : ". ";
-        const std::string msg = "ActiveKV is installed but " + problem + end +
-                                "Until then vLLM does not know the ACTIVEKV attention backend (selecting it fails "
-                                "with vLLM's 'Unknown attention backend'); other backends are not affected.";
+        std::string msg = "ActiveKV is installed but " + problem + end +
+                          "Until then vLLM does not know the ACTIVEKV attention backend (selecting it fails with "
+                          "vLLM's 'Unknown attention backend'); other backends are not affected.";
+        // vLLM's stat-logger loader (vllm/plugins/__init__.py, load_plugins_by_group) logs the import failure of
+        // ActiveKV's entry point with a traceback and no word of ActiveKV: say here, first, what that line means.
+        if (stat_logger_module_missing())
+          msg += " The API server will also log \"Failed to load plugin activekv\" with \"ModuleNotFoundError: No "
+                 "module named 'vllm.v1.metrics.activekv'\": ActiveKV's stat logger (its activekv_* metrics on "
+                 "/metrics) is a module the series adds; the same fix clears it, and vLLM serves without those "
+                 "metrics until then.";
         if (PyErr_WarnEx(PyExc_RuntimeWarning, msg.c_str(), 1) != 0) throw py::error_already_set();
       },
       "vLLM's general plugin (entry point group vllm.general_plugins), called once per vLLM process at start-up: a "
       "RuntimeWarning naming the problem and the fix when the vLLM this process imported does not carry this "
-      "ActiveKV's patch series (the check the first Impl / Builder makes, shared with it); nothing otherwise. Never "
-      "raises (unless warnings are made errors).");
+      "ActiveKV's patch series (the check the first Impl / Builder makes, shared with it), and, where that vLLM lacks "
+      "the stat-logger module the series adds, what vLLM's 'Failed to load plugin activekv' line means; nothing "
+      "otherwise. Never raises (unless warnings are made errors).");
 }
 
 }  // namespace activekv::py_glue

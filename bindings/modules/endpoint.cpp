@@ -1,7 +1,12 @@
 // activekv._endpoint: vLLM's endpoint-plugin contract (vLLM's EndpointPlugin interface)
 // in C++, with no Python of ours: `name`, `required_tasks`, `attach_router(app)` and an `init_state(...)` whose call
-// returns a native awaitable; and two routes, GET /v1/activekv/telemetry and GET /v1/activekv/health, each a native
-// ASGI application whose call returns a native awaitable that drives the server's `send`.
+// returns a native awaitable; and two routes, GET /activekv/telemetry and GET /activekv/health, each a native ASGI
+// application whose call returns a native awaitable that drives the server's `send`.
+//
+// Operational routes, placed as vLLM places its own /health and /metrics: at the root, outside the prefixes vLLM's
+// --api-key guards (vllm/entrypoints/serve/middleware/authenticate.py, GUARDED_PREFIX: /v1, /v2, /inference,
+// /cohere), and 503 once vLLM's engine client reports the engine dead (as vllm/entrypoints/serve/instrumentator/
+// health.py answers /health on EngineDeadError).
 //
 // The awaitable is awaitable.cpp (awaitable.h); how it works and the CPython / vLLM source lines it relies on:
 // docs/async-native.md.
@@ -9,12 +14,11 @@
 // snapshot_process_tree), read in the API server process; docs/async-native.md says why not collective_rpc.
 //
 // Python callables this file calls, none on a per-step path (listed in intake/baseline.toml): the ASGI `send`
-// (twice per HTTP request), `app.add_route` (once at start-up), `engine_client.errored` (once per health request).
+// (twice per HTTP request), `app.add_route` (once at start-up), `engine_client.errored` (once per request).
 #include <activekv/telemetry.h>
 #include <activekv_py/awaitable.h>
 #include <activekv_py/common.h>
 
-#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -35,8 +39,8 @@ namespace {
 // The plugin, its state and its routes.
 // ---------------------------------------------------------------------------------------------------------------
 
-constexpr const char* kTelemetryPath = "/v1/activekv/telemetry";
-constexpr const char* kHealthPath = "/v1/activekv/health";
+constexpr const char* kTelemetryPath = "/activekv/telemetry";
+constexpr const char* kHealthPath = "/activekv/health";
 
 /// Shared by the plugin and its routes: what init_state recorded.
 struct PluginState {
@@ -50,12 +54,8 @@ struct Response {
   std::vector<std::pair<std::string, std::string>> extra_headers;
 };
 
-std::string json_num(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[32];
-  const auto res = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form, as Python's repr
-  return std::string(buf, res.ptr);
-}
+/// A JSON number as Python's json.dumps writes a float (repr); null for inf and nan, which JSON lacks.
+std::string json_num(double v) { return std::isfinite(v) ? activekv::float_repr(v) : "null"; }
 
 /// vLLM's error body shape (ErrorResponse: {"error": {"message", "type", "param", "code"}}).
 Response error_response(int status, const std::string& type, const std::string& message) {
@@ -78,6 +78,14 @@ bool engine_missing(const PluginState& st, Response* out) {
     return true;
   }
   return false;
+}
+
+/// 503 when vLLM's engine client reports that the engine core died (EngineClient.errored: a property of the client
+/// object in this process, no engine round trip), as vLLM's own /health answers then.
+bool engine_dead(const PluginState& st, Response* out) {
+  if (!st.engine_client.attr("errored").cast<bool>()) return false;
+  *out = error_response(503, "EngineDeadError", "vLLM's engine client reports the engine has errored");
+  return true;
 }
 
 /// The telemetry of every live engine in this process tree (the engine-core and worker processes' shared segments).
@@ -121,11 +129,11 @@ int64_t gauge(const activekv::TelemetrySnapshot& s, activekv::Gauge g) {
   return 0;
 }
 
-/// GET /v1/activekv/telemetry: {"engines": n, "pids": [...], "counters", "histograms", "info", "gauges"} summed over
+/// GET /activekv/telemetry: {"engines": n, "pids": [...], "counters", "histograms", "info", "gauges"} summed over
 /// the engines of this server's processes (the same numbers as /metrics' activekv_* families).
 Response telemetry_response(const PluginState& st) {
   Response r;
-  if (engine_missing(st, &r)) return r;
+  if (engine_missing(st, &r) || engine_dead(st, &r)) return r;
   const auto published = published_engines(&r);
   if (published.empty()) return r;
   const std::string core = activekv::snapshot_to_json(merged(published), /*with_gauges=*/true);
@@ -134,16 +142,10 @@ Response telemetry_response(const PluginState& st) {
   return r;
 }
 
-/// GET /v1/activekv/health: mode, pool occupancy, last step time, and whether vLLM's engine client reports an error.
+/// GET /activekv/health: mode, pool occupancy and last step time; 503 when vLLM's engine client reports an error.
 Response health_response(const PluginState& st) {
   Response r;
-  if (engine_missing(st, &r)) return r;
-  // vLLM's EngineClient.errored: the engine core died. A property of the client object in this
-  // process, no engine round trip.
-  const bool errored = st.engine_client.attr("errored").cast<bool>();
-  if (errored) {
-    return error_response(500, "EngineDeadError", "vLLM's engine client reports the engine has errored");
-  }
+  if (engine_missing(st, &r) || engine_dead(st, &r)) return r;
   const auto published = published_engines(&r);
   if (published.empty()) return r;
   const activekv::TelemetrySnapshot s = merged(published);
@@ -205,7 +207,8 @@ class ResponseJob : public Job {
   }
 
  private:
-  /// The response, never an exception: any failure becomes a 500 with a JSON body (the server keeps serving).
+  /// The response, never an exception: any failure becomes a 500 with a JSON body (the server keeps serving); a dead
+  /// engine a 503.
   Response respond() {
     if (method_ != "GET" && method_ != "HEAD") {
       Response r = error_response(405, "MethodNotAllowed", "method " + method_ + " not allowed: use GET");
@@ -267,8 +270,9 @@ std::string type_name(const py::handle& o) { return Py_TYPE(o.ptr())->tp_name; }
 PYBIND11_MODULE(_endpoint, m) {
   m.doc() =
       "ActiveKV's vLLM endpoint plugin (group vllm.endpoint_plugins, contract vllm/plugins/endpoint_plugins/"
-      "interface.py), native: GET /v1/activekv/telemetry and GET /v1/activekv/health served by native ASGI "
-      "applications whose awaitables drive the server's send. docs/async-native.md.";
+      "interface.py), native: GET /activekv/telemetry and GET /activekv/health served by native ASGI applications "
+      "whose awaitables drive the server's send; outside /v1, so without vLLM's API key, like vLLM's /health and "
+      "/metrics. docs/async-native.md.";
   activekv::py_glue::register_exceptions(m);
   activekv::py_glue::register_awaitable(m);
   m.attr("TELEMETRY_PATH") = kTelemetryPath;
@@ -298,8 +302,9 @@ PYBIND11_MODULE(_endpoint, m) {
                 std::make_unique<ResponseJob>(r.kind, r.st, s["method"].cast<std::string>(), std::move(send)));
           },
           py::arg("scope"), py::arg("receive"), py::arg("send"),
-          "ASGI: returns the Awaitable that answers this request (405 for methods other than GET and HEAD, 500 with "
-          "a JSON body when the telemetry cannot be read). TypeError/ValueError for a scope that is not an http one.")
+          "ASGI: returns the Awaitable that answers this request (405 for methods other than GET and HEAD, 503 with "
+          "a JSON body when vLLM's engine client reports the engine dead, 500 with one when the telemetry cannot be "
+          "read). TypeError/ValueError for a scope that is not an http one.")
       .def("__repr__", [](const AsgiRoute& r) { return "<activekv._endpoint.AsgiRoute " + r.path + ">"; });
 
   py::class_<EndpointPlugin>(m, "EndpointPlugin",
@@ -333,8 +338,8 @@ PYBIND11_MODULE(_endpoint, m) {
             }
           },
           py::arg("app"),
-          "Registers GET /v1/activekv/telemetry and GET /v1/activekv/health on app (app.add_route). TypeError when "
-          "app has no add_route.")
+          "Registers GET /activekv/telemetry and GET /activekv/health on app (app.add_route). TypeError when app "
+          "has no add_route.")
       .def(
           "init_state",
           [](const EndpointPlugin& p, py::object engine_client, py::object state, py::object args) {

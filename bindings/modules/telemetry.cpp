@@ -174,6 +174,9 @@ PYBIND11_MODULE(_telemetry, m) {
       },
       "One snapshot dict (with pid and engine_id) per live engine of this process and of every process descended "
       "from it (read from their shared segments in telemetry_dir()).");
+  m.def("float_repr", &activekv::float_repr, py::arg("value"),
+        "value as repr(float) writes it (the shortest digits that read back exactly): the form of the activekv_* "
+        "histograms' le labels on /metrics and of the HTTP routes' JSON numbers.");
   m.def("telemetry_dir", &activekv::telemetry_dir,
         "Folder of this user's telemetry segments: <base>/activekv-telemetry-<uid>, the base being "
         "$ACTIVEKV_TELEMETRY_DIR, else /dev/shm.");

@@ -276,7 +276,7 @@ Telemetry::Telemetry(bool registered) : registered_(registered) {
     if (!mapped_) {
       warn_once("telemetry publishing disabled: " + why +
                 ". This process's engines count as before (snapshot(), telemetry_json), but /metrics and "
-                "/v1/activekv/* of the API server do not see them");
+                "/activekv/* of the API server do not see them");
     }
   }
   if (page_ == nullptr) page_ = new TelemetryPage();

@@ -2,8 +2,8 @@
 // of a process tree's engines as plain structs; the _telemetry module adds labels and exposes them.
 #include <activekv/telemetry.h>
 
-#include <charconv>
 #include <cmath>
+#include <string>
 
 namespace activekv {
 
@@ -46,14 +46,17 @@ const CounterSpec kCounterSpecs[] = {
 static_assert(sizeof kCounterSpecs / sizeof kCounterSpecs[0] == static_cast<size_t>(Counter::kCount),
               "one Prometheus spec per counter, in Counter order");
 
+// A bucket bound as prometheus_client writes its `le` label (utils.floatToGoString): repr(float) ("1.0", "0.004096"),
+// Go's exponent form from 1e6 on ("1.048576e+06" for repr's "1048576.0"), "+Inf" for the last.
 std::string go_float(double v) {
-  if (std::isinf(v)) return "+Inf";
-  char buf[32];
-  const auto res = std::to_chars(buf, buf + sizeof buf, v);  // shortest round-trip form, as Python's repr
-  std::string s(buf, res.ptr);
-  // prometheus_client writes integral bounds as 1.0, 2.0, ...: keep the same label values.
-  if (s.find_first_of(".e") == std::string::npos) s += ".0";
-  return s;
+  if (std::isinf(v) && v > 0) return "+Inf";
+  const std::string s = float_repr(v);
+  const size_t dot = s.find('.');
+  if (!(v > 0) || dot == std::string::npos || dot <= 6) return s;
+  std::string mantissa = s.substr(0, 1) + "." + s.substr(1, dot - 1) + s.substr(dot + 1);
+  mantissa.erase(mantissa.find_last_not_of("0.") + 1);
+  const std::string exponent = std::to_string(dot - 1);
+  return mantissa + "e+" + (exponent.size() < 2 ? "0" : "") + exponent;
 }
 
 // Histogram with bucket bounds and sum multiplied by `scale` (microseconds -> seconds).
@@ -70,8 +73,9 @@ MetricFamily histogram_family(const std::string& name, const std::string& unit, 
   return f;
 }
 
-MetricFamily gauge_family(const std::string& name, const std::string& help, double value) {
-  return MetricFamily{name, help, "", "gauge", {{name, "", value}}};
+MetricFamily gauge_family(const std::string& name, const std::string& help, double value,
+                          const std::string& unit = "") {
+  return MetricFamily{name, help, unit, "gauge", {{name, "", value}}};
 }
 
 }  // namespace
@@ -105,6 +109,29 @@ std::vector<MetricFamily> prometheus_families(const std::vector<PublishedTelemet
                              static_cast<double>(published.size())));
   out.push_back(gauge_family("activekv_layers", "Attention layers served by the live ActiveKV engines.",
                              static_cast<double>(layers)));
+  // The engines' gauges (Gauge, merged as merge_snapshots does): the numbers of the /activekv/health route.
+  const auto gauge = [&](Gauge g) -> int64_t {
+    for (const auto& [k, v] : total.gauges)
+      if (k == gauge_name(g)) return v;
+    return 0;
+  };
+  out.push_back(gauge_family("activekv_mode",
+                             "Attention mode of the live ActiveKV engines: 0 exact, 1 compressed; -1 when they differ "
+                             "or none is live.",
+                             published.empty() ? -1.0 : static_cast<double>(gauge(Gauge::kMode))));
+  out.push_back(gauge_family("activekv_pool_resident_blocks",
+                             "Active-pool slots holding a KV block after each layer's last forward, summed over "
+                             "layers and engines.",
+                             static_cast<double>(gauge(Gauge::kPoolResidentBlocks))));
+  out.push_back(gauge_family("activekv_pool_capacity_blocks",
+                             "Active-pool slots, summed over layers and engines (pool_blocks x layers).",
+                             static_cast<double>(gauge(Gauge::kPoolCapacityBlocks))));
+  out.push_back(gauge_family("activekv_last_step_timestamp_seconds",
+                             "Unix time at the end of the latest native forward of any engine; 0 before the first.",
+                             static_cast<double>(gauge(Gauge::kLastStepUnixUs)) * 1e-6, "seconds"));
+  out.push_back(gauge_family("activekv_last_forward_seconds",
+                             "Wall time of that latest native forward (one layer, one step); 0 before the first.",
+                             static_cast<double>(gauge(Gauge::kLastForwardUs)) * 1e-6, "seconds"));
   return out;
 }
 

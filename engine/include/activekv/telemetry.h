@@ -197,7 +197,9 @@ struct MetricFamily {
 
 /// Every activekv_* family from the telemetry of a process tree (snapshot_process_tree()): a counter per Counter
 /// (activekv_<name>_total, summed), the forward latency histogram in seconds and the blocks admitted per forward
-/// histogram, and two gauges: activekv_engines (how many engines published) and activekv_layers (layers they serve).
+/// histogram, and gauges: activekv_engines (how many engines published), activekv_layers (layers they serve), and the
+/// engines' Gauge values (activekv_mode, activekv_pool_resident_blocks, activekv_pool_capacity_blocks,
+/// activekv_last_step_timestamp_seconds, activekv_last_forward_seconds).
 std::vector<MetricFamily> prometheus_families(const std::vector<PublishedTelemetry>& published);
 
 /// (counter snapshot key, its Prometheus sample name activekv_..._total), in Counter order.
@@ -207,6 +209,11 @@ std::vector<std::pair<std::string, std::string>> prometheus_counter_names();
 /// "count": n, "sum": s}}, "info": {...}} (the last `le` is the string "+Inf"), and "gauges": {...} after "info"
 /// when `with_gauges` (the HTTP route's payload; the telemetry_json file keeps the three keys).
 std::string snapshot_to_json(const TelemetrySnapshot& s, bool with_gauges = false);
+
+/// `v` as Python's repr(float) writes it: the shortest digits that read back as `v` exactly, fixed notation for
+/// decimal exponents -4..15 (with ".0" when integral: "1.0", "-0.0"), "1e+16"/"1.5e-05" beyond, "inf", "-inf", "nan".
+/// The Prometheus `le` labels (as prometheus_client writes them) and the HTTP routes' JSON numbers use it.
+std::string float_repr(double v);
 
 /// `s` as a JSON string literal, quotes included: `"` and `\` escaped, control characters as \u00XX; other bytes
 /// (UTF-8) as they are.
