@@ -1,6 +1,8 @@
 """Parity scenarios and the one cell runner shared by tests/test_parity.py and the parity report tool (tools/parity.py).
 
-A cell is one configuration: mode x dtype x head size x GQA ratio x block size x context x pool x batch x padding.
+A cell is one configuration: mode x dtype x head size x GQA ratio x block size x context x pool x batch x padding;
+the pool axis is a pool smaller than the contexts (stream), larger (fit), or placement in place (no pool: blocks read
+where they are in the host tier, `in_place_cells`).
 Each cell replays the same vLLM-like step sequence on the native engine and on the Python reference, feeding both the
 same tensors: a prefill chunk, the rest of the prompt, `block_size + 3` decode steps (so every row fills at least one
 whole block one decode token at a time: metadata updates, block-table growth and, with a small pool, evictions on
@@ -45,16 +47,25 @@ class Cell:
     gqa: int
     block_size: int
     context: str  # exact: "aligned" | "unaligned"; compressed: "short" | "multiple" | "unaligned" (vs the budget)
-    streaming: bool  # pool smaller than the context (streams through it) or larger
+    streaming: bool  # pool smaller than the context (streams through it) or larger; unused in place
     batch: int
     padded: bool
     mode: str = "exact"
+    placement: str = "pool"  # "pool" | "in_place" (blocks read where they are in the host tier: no pool)
 
     @property
     def id(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
+        if self.placement == "in_place":  # no pool: "inplace" where other cells name their placement's pool size
+            return (f"{self.mode}-inplace-{dt}-d{self.head_size}-gqa{self.gqa}-bs{self.block_size}-{self.context}-"
+                    f"b{self.batch}-{'pad' if self.padded else 'nopad'}")
         return (f"{self.mode}-{dt}-d{self.head_size}-gqa{self.gqa}-bs{self.block_size}-{self.context}-"
-                f"{'stream' if self.streaming else 'fit'}-b{self.batch}-{'pad' if self.padded else 'nopad'}")
+                f"{self.pool}-b{self.batch}-{'pad' if self.padded else 'nopad'}")
+
+    @property
+    def pool(self) -> str:
+        """The pool axis: "stream" (smaller than the context), "fit" (larger) or "inplace" (no pool)."""
+        return "inplace" if self.placement == "in_place" else "stream" if self.streaming else "fit"
 
     @property
     def decode_steps(self) -> int:
@@ -76,6 +87,8 @@ class Cell:
 
     @property
     def pool_blocks(self) -> int:
+        if self.placement == "in_place":
+            return 0
         if self.mode == "compressed":
             union = NUM_KV_HEADS * TOP_K + SINK_BLOCKS + RECENT_BLOCKS  # worst case for one row
             return union if self.streaming else 64
@@ -88,7 +101,7 @@ class Cell:
     def engine_kwargs(self) -> dict:
         # The parity matrix is defined on the ATen tile path (docs/parity.md); the fast kernel is checked against it.
         return {"mode": self.mode, "budget_tokens": self.budget_tokens, "sink_blocks": SINK_BLOCKS,
-                "recent_blocks": RECENT_BLOCKS, "kernel": "aten"}
+                "recent_blocks": RECENT_BLOCKS, "kernel": "aten", "placement": self.placement}
 
     def prompt_lens(self) -> list[int]:
         bs = self.block_size
@@ -128,6 +141,19 @@ def compressed_cells() -> list[Cell]:
         for streaming, batch3 in _half(2, i):
             cells.append(Cell(dt, hs, gqa, bs, context, streaming, batch=3 if batch3 else 1, padded=batch3,
                               mode="compressed"))
+    return cells
+
+
+def in_place_cells() -> list[Cell]:
+    """Placement in place, 54 main combinations x each mode = 108: exact cells alternate context, batch and padding;
+    compressed cells cycle the three contexts and alternate batch 1/3 (batch 3 padded)."""
+    cells = []
+    for i, (dt, hs, gqa, bs) in enumerate(itertools.product(*MAIN_AXES)):
+        batch3 = (i // 2) % 2 == 1
+        cells.append(Cell(dt, hs, gqa, bs, "unaligned" if i % 2 else "aligned", False, 3 if batch3 else 1,
+                          padded=(i // 4) % 2 == 1, placement="in_place"))
+        cells.append(Cell(dt, hs, gqa, bs, ("short", "multiple", "unaligned")[i % 3], False, 3 if i % 2 else 1,
+                          padded=i % 2 == 1, mode="compressed", placement="in_place"))
     return cells
 
 

@@ -150,6 +150,10 @@ def test_forward_without_metadata_counts_only_on_the_engine_its_cache_identifies
     ({"pool_blocks": 2, "tile_blocks": 4}, ValueError, r"pool_blocks \(2\) must be >= tile_blocks \(4\)"),
     ({"pool_blocks": "8"}, TypeError, "pool_blocks'\\] must be an int"),
     ({"tile_blocks": 0}, ValueError, "tile_blocks'\\] must be >= 1"),
+    ({"placement": "host"}, ValueError, "placement must be 'pool' or 'in_place', got 'host'"),
+    ({"placement": "in_place", "pool_blocks": 8}, ValueError,
+     r"\['placement'\] 'in_place' has no pool: drop additional_config\['activekv'\]\['pool_blocks'\]"),
+    ({"pool_blocks": 0}, ValueError, r"pool_blocks'\] must be >= 1, got 0"),
 ])
 def test_builder_rejects_bad_options(options: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
@@ -162,7 +166,7 @@ def test_builder_rejects_non_dict_options() -> None:
 
 
 def test_compressed_builder_defaults_its_pool_to_the_worst_case_union() -> None:
-    b = backend.Builder(spec(), LAYERS, vllm_config({"mode": "compressed", "budget_tokens": 8192}),
+    b = backend.Builder(spec(), LAYERS, vllm_config({"mode": "compressed", "budget_tokens": 8192, "placement": "pool"}),
                         torch.device("cpu"))
     # k = 8192 / 16 - 1 - 2 = 509; union = 2 * 509 + 3 = 1021 blocks
     assert (b.engine.mode, b.engine.top_k, b.engine.pool_blocks) == ("compressed", 509, 1021)
@@ -179,7 +183,7 @@ def test_compressed_builder_defaults_its_pool_to_the_worst_case_union() -> None:
 ])
 def test_compressed_default_pool_scales_with_max_num_seqs_capped_by_the_kv_cache(max_num_seqs, num_gpu_blocks,
                                                                                  pool) -> None:
-    cfg = vllm_config({"mode": "compressed", "budget_tokens": 8192})
+    cfg = vllm_config({"mode": "compressed", "budget_tokens": 8192, "placement": "pool"})
     cfg.scheduler_config = SimpleNamespace(max_num_seqs=max_num_seqs)
     cfg.cache_config = SimpleNamespace(num_gpu_blocks=num_gpu_blocks)
     b = backend.Builder(spec(), LAYERS, cfg, torch.device("cpu"))
@@ -191,10 +195,27 @@ def test_compressed_default_pool_scales_with_max_num_seqs_capped_by_the_kv_cache
 
 def test_builder_defaults_and_layer_registry() -> None:
     b = backend.Builder(spec(), LAYERS, vllm_config(), torch.device("cpu"))
-    assert (b.engine.pool_blocks, b.engine.tile_blocks, b.engine.mode) == (256, 16, "exact")
+    # On the CPU, with no pool asked for, blocks are read in place: no pool at all.
+    assert (b.engine.placement, b.engine.pool_blocks, b.engine.tile_blocks, b.engine.mode) == ("in_place", 0, 16,
+                                                                                              "exact")
+    assert b.engine.snapshot()["info"]["in_place"] == 1
     assert [b.engine.layer_index(n) for n in LAYERS] == [0, 1]
     with pytest.raises(ValueError, match="not served by this ActiveKV engine"):
         b.engine.layer_index("model.layers.7.self_attn.attn")
+
+
+@pytest.mark.parametrize(("options", "placement", "pool_blocks", "tile_blocks"), [
+    ({}, "in_place", 0, 16),  # the CPU default: no pool
+    ({"mode": "compressed"}, "in_place", 0, 16),
+    ({"pool_blocks": 64}, "pool", 64, 16),  # a pool asked for keeps the copy-through-the-pool path
+    ({"pool_blocks": 8}, "pool", 8, 8),  # a pool smaller than the default tile takes tiles of its size
+    ({"pool_blocks": 8, "tile_blocks": 4}, "pool", 8, 4),
+    ({"placement": "pool"}, "pool", 256, 16),
+    ({"placement": "in_place", "tile_blocks": 4}, "in_place", 0, 4),
+])
+def test_builder_placement_pool_and_tile(options: dict, placement: str, pool_blocks: int, tile_blocks: int) -> None:
+    e = backend.Builder(spec(), LAYERS, vllm_config(options), torch.device("cpu")).engine
+    assert (e.placement, e.pool_blocks, e.tile_blocks) == (placement, pool_blocks, tile_blocks)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -573,7 +594,7 @@ def test_activekv_options_in_a_mapping_that_is_no_dict_are_refused() -> None:
         backend.Builder(spec(), LAYERS, vllm_config(extra=extra), torch.device("cpu"))
     other = backend.Builder(spec(), LAYERS, vllm_config(extra=MappingProxyType({"someone_else": 1})),
                             torch.device("cpu"))  # a mapping without ActiveKV options belongs to someone else
-    assert other.engine.pool_blocks == 256
+    assert (other.engine.placement, other.engine.pool_blocks) == ("in_place", 0)
 
 
 def test_a_nan_in_a_later_tokens_value_stays_out_of_earlier_rows_on_every_kernel() -> None:

@@ -29,7 +29,8 @@ NUM_LAYERS = SPEC["num_hidden_layers"]
 NUM_KV_HEADS = SPEC["num_key_value_heads"]
 # budget 128 tokens = 8 blocks per KV head: 1 sink + 5 selected + 2 recent; every prompt is longer (19-44 blocks).
 # The pool (16 blocks) holds the worst-case union of one row (2 * 5 + 1 + 2 = 13) but not a context, so prefill
-# streams through it and decode evicts.
+# streams through it and decode evicts. pool_blocks given: placement pool, the copy-through-the-pool path (the CPU
+# default, placement in place, is tests/test_e2e_vllm.py's in_place_run).
 COMPRESSED = {"mode": "compressed", "budget_tokens": 128, "sink_blocks": 1, "recent_blocks": 2, "pool_blocks": 16,
               "tile_blocks": 4}
 PER_HEAD = COMPRESSED["budget_tokens"] // BLOCK_SIZE

@@ -39,6 +39,8 @@ NUM_KV_HEADS = SPEC["num_key_value_heads"]
 DOCUMENTS = (("import", "In one sentence: what does the import statement do first?"),
              ("debugger", "In one sentence: how do you set a breakpoint in pdb?"))
 COMMON = {"max_model_len": SPEC["max_position_embeddings"], "max_num_seqs": 4, "max_num_batched_tokens": 8192}
+# Both configurations give pool_blocks: placement pool, streaming through a pool smaller than the documents (the CPU
+# default, placement in place, runs in tests/test_e2e_vllm.py).
 EXACT = {"mode": "exact", "pool_blocks": 64, "tile_blocks": 8}
 # 512 tokens = 32 blocks per KV head: 1 sink + 2 recent + 29 selected; the pool holds one row's worst-case union
 # (3 KV heads x 29 + 3 = 90 blocks), not the contexts.

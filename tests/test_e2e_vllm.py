@@ -1,7 +1,8 @@
 """End to end through vLLM 0.32.0: ActiveKV exact mode against stock CPU_ATTN on a tiny local Llama.
 
 Each configuration runs in one in-process engine, started once per module and shut down before the next starts
-(fixtures `cpu_attn_run` and `activekv_run`); the tests assert on what those runs recorded. Every engine runs in vLLM's
+(fixtures `cpu_attn_run`, `activekv_run`: placement pool through a small pool, and `in_place_run`: default options,
+placement in place); the tests assert on what those runs recorded. Every engine runs in vLLM's
 default mode (compiled with torch.compile, warmed up before the KV cache exists); ActiveKV runs a second time with
 `enforce_eager`, the other mode users choose, against the same compiled CPU_ATTN run. The ActiveKV cases skip,
 with the reason, only when `activekv._backend` does not import or vLLM lacks the ACTIVEKV backend; the CPU_ATTN
@@ -36,7 +37,8 @@ MAX_TOKENS = 32
 PROMPT_SEED = 0
 NUM_LAYERS = SPEC["num_hidden_layers"]
 # ActiveKV geometry: a pool of 8 blocks of 16 tokens (128 tokens) per layer, far below the longest context
-# (513 + 32 tokens = 35 blocks), so exact mode must stream contexts through the pool and evict.
+# (513 + 32 tokens = 35 blocks), so exact mode must stream contexts through the pool and evict. pool_blocks given:
+# placement pool, the copy-through-the-pool path (the CPU default, placement in place, runs in `in_place_run`).
 BLOCK_SIZE = 16
 EXACT = {"mode": "exact", "pool_blocks": 8, "tile_blocks": 4}
 # Logprob tolerance (float32). Two correct float32 attentions differ only in summation order. Measured here over these
@@ -120,6 +122,33 @@ def activekv_run(request: pytest.FixtureRequest, tiny_model: str, prompts: list[
                           enforce_eager=request.param == "eager")
     with VllmEngine(config) as engine:
         return engine.generate(prompts, MAX_TOKENS, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def in_place_run(tiny_model: str, prompts: list[list[int]], cpu_attn_run: dict[str, StockRun]) -> Generation:
+    """ActiveKV with default options (the CPU default: placement in place, no pool), compiled mode."""
+    available, why = activekv_status()
+    if not available:
+        pytest.skip(why)
+    with VllmEngine(EngineConfig(tiny_model, backend=ACTIVEKV, activekv={}, block_size=BLOCK_SIZE)) as engine:
+        return engine.generate(prompts, MAX_TOKENS, logprobs=2)
+
+
+def test_in_place_default_matches_cpu_attn_and_copies_nothing(
+    in_place_run: Generation, cpu_attn_run: dict[str, StockRun]
+) -> None:
+    stock = cpu_attn_run["batch"].gen
+    for i, (got, want) in enumerate(zip(in_place_run.token_ids, stock.token_ids)):
+        assert got == want, f"prompt {i} ({PROMPT_LENGTHS[i]} tokens): ActiveKV in place {got} != CPU_ATTN {want}"
+    for i, (got, want) in enumerate(zip(in_place_run.logprobs, stock.logprobs)):
+        worst = max(abs(a - b) for a, b in zip(got, want))
+        assert worst <= LOGPROB_ATOL, f"prompt {i}: max |logprob diff| {worst:.3g} > {LOGPROB_ATOL}"
+    tel = in_place_run.telemetry
+    assert tel is not None
+    assert (tel["in_place"], tel["pool_blocks"]) == (1, 0)
+    assert tel["blocks_in_place"] > 0
+    assert tel["blocks_admitted"] == tel["bytes_h2d"] == tel["blocks_hit"] == tel["blocks_evicted"] == 0
+    assert tel["forward_calls"] == NUM_LAYERS * in_place_run.steps
 
 
 @pytest.mark.parametrize(("run", "num_prompts", "max_tokens"), [("single", 1, 8), ("batch", 4, MAX_TOKENS)])

@@ -276,8 +276,8 @@ def test_device_mismatch_is_rejected() -> None:
 
 
 def test_invalid_pool_blocks() -> None:
-    with pytest.raises(ValueError, match="pool_blocks must be >= 1, got 0"):
-        kv_state.KVState(1, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, 0)
+    with pytest.raises(ValueError, match=r"pool_blocks must be >= 0 \(0: no pool, for placement in place\), got -1"):
+        kv_state.KVState(1, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, -1)
 
 
 def test_invalid_geometry() -> None:

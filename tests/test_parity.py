@@ -1,8 +1,9 @@
 """Parity: the native engine's ATen path and the Python reference agree bit for bit (torch.equal) on outputs, both KV
 tiers, per-block key metadata, page tables, compressed-mode selections and telemetry counters, cell by cell.
 
-Here: a seeded subset of each matrix (48 cells of each mode) that holds every value of every axis (checked below);
-`make parity` (tools/parity.py) runs every cell of both modes and writes the report."""
+Here: a seeded subset of each matrix (48 cells of each mode) that holds every value of every axis (checked below), and
+16 of the 108 cells of placement in place (no pool: blocks read where they are in the host tier); `make parity`
+(tools/parity.py) runs every cell of both modes, in place included, and writes the report."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import random
 import pytest
 import torch
 
-from tests.parity_cells import Cell, compressed_cells, exact_cells, run_cell
+from tests.parity_cells import Cell, compressed_cells, exact_cells, in_place_cells, run_cell
 
 SUBSET_CELLS = 48
 EXACT_SUBSET = random.Random(0).sample(exact_cells(), SUBSET_CELLS)
 COMPRESSED_SUBSET = random.Random(0).sample(compressed_cells(), SUBSET_CELLS)
+IN_PLACE_SUBSET = random.Random(0).sample(in_place_cells(), 16)
 AXES = ("dtype", "head_size", "gqa", "block_size", "context", "streaming", "batch", "padded")
 
 
@@ -77,3 +79,20 @@ def test_streaming_cells_evict_and_fit_cells_do_not() -> None:
         assert snap["blocks_admitted"] > 0
         assert (snap["blocks_evicted"] > 0) == streaming
         assert (snap["blocks_hit"] > 0) == (not streaming)
+
+
+@pytest.mark.parametrize("cell", IN_PLACE_SUBSET, ids=[c.id for c in IN_PLACE_SUBSET])
+def test_in_place_engine_matches_reference_bit_for_bit(cell: Cell) -> None:
+    snap = run_cell(cell)
+    assert snap["blocks_in_place"] > 0
+    assert snap["blocks_admitted"] == snap["bytes_h2d"] == snap["blocks_hit"] == 0
+
+
+def test_in_place_cells_cover_both_modes_and_every_main_value() -> None:
+    cells = in_place_cells()
+    assert {c.mode for c in cells} == {"exact", "compressed"} and {c.pool_blocks for c in cells} == {0}
+    for mode in ("exact", "compressed"):
+        of_mode = [c for c in cells if c.mode == mode]
+        assert len({(c.dtype, c.head_size, c.gqa, c.block_size) for c in of_mode}) == 54
+        assert _values(of_mode, "batch") == {1, 3} and _values(of_mode, "padded") == {False, True}
+    assert any(c.selects for c in cells)

@@ -25,7 +25,7 @@ POOL_BLOCKS, TILE_BLOCKS = 4, 2
 NUM_BLOCKS = 6
 HISTOGRAMS = ("forward_latency_us", "blocks_admitted_per_forward")
 INFO = {"num_layers": NUM_LAYERS, "pool_blocks": POOL_BLOCKS, "tile_blocks": TILE_BLOCKS, "block_size": BLOCK_SIZE,
-        "bytes_per_block": NUM_KV_HEADS * 2 * BLOCK_SIZE * HEAD_SIZE * 4}
+        "bytes_per_block": NUM_KV_HEADS * 2 * BLOCK_SIZE * HEAD_SIZE * 4, "in_place": 0}
 
 
 def make_engine() -> backend.Engine:
@@ -115,6 +115,21 @@ def test_counters_and_histograms_after_one_step(seq_len: int, admitted_bucket_le
     assert admitted["sum"] == float(nb)
     assert admitted["counts"][admitted["le"].index(admitted_bucket_le)] == 1
     assert snap["histograms"]["forward_latency_us"]["sum"] > 0.0
+
+
+def test_in_place_engine_counts_blocks_in_place_and_copies_nothing() -> None:
+    """Placement in place: every block a tile attends is counted in place; nothing is admitted, hit or copied."""
+    engine = backend.Engine(NUM_LAYERS, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, 0, TILE_BLOCKS,
+                            placement="in_place")
+    seq_len = 3 * BLOCK_SIZE - 1
+    drive(engine, seq_len=seq_len)
+    snap = engine.snapshot()
+    nb = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE
+    assert counters(snap) == {**expected_counters(seq_len=seq_len), "blocks_admitted": 0, "bytes_h2d": 0,
+                              "blocks_in_place": nb}
+    assert snap["info"] == {**INFO, "pool_blocks": 0, "in_place": 1}
+    admitted = snap["histograms"]["blocks_admitted_per_forward"]
+    assert (admitted["count"], admitted["sum"]) == (1, 0.0)
 
 
 # --- the registry --------------------------------------------------------------------------------------------------

@@ -10,14 +10,15 @@ vLLM's default compiled mode for every backend unless `--enforce-eager`, prefix 
 = batch x context so each batch prefills in one step): `--batch` seeded prompts of `--context` tokens submitted
 together to vLLM's engine (`LLMEngine.add_request`), then `LLMEngine.step()` until they finish: the first step is the
 prefill (timed alone), the next `--new-tokens` steps decode the batch, timed step by step; `--repeats` times. The
-backends take turns for `--rounds` rounds (CPU_ATTN, then the three ActiveKV runs, then again), each round a fresh
+backends take turns for `--rounds` rounds (CPU_ATTN, then the five ActiveKV runs, then again), each round a fresh
 engine, so that a slow spell of the machine falls on all of them rather than on one. Decode tokens/s = batch / median
 decode step time over every round; the table also gives each round's median. (The decode steps are timed one by one:
 a difference of whole-generation times would mix the prefill's run-to-run noise into the few decode steps.) ActiveKV
-runs at vLLM block size 16 in exact mode twice: with its default options (pool 256 blocks, tile 16: a batch of long contexts streams
-through the pool every step) and with a pool that holds the batch's contexts, then once more at the platform's default
-block size (128, what a vLLM user gets without `block_size`) with a pool that holds the contexts; CPU_ATTN at that
-default block size (128). The table says how many forward steps vLLM counted and, for ActiveKV, how many native
+runs in exact mode at vLLM block size 16 three times: with its default options (placement in place: no pool, blocks
+read where they are in vLLM's KV cache), with a pool of 256 blocks (tile 16: a batch of long contexts streams through
+the pool every step) and with a pool that holds the batch's contexts; then twice at the platform's default block size
+(128, what a vLLM user gets without `block_size`): default options, and a pool that holds the contexts; CPU_ATTN at
+that default block size (128). The table says how many forward steps vLLM counted and, for ActiveKV, how many native
 forward calls its telemetry counted (the proof the native path ran)."""
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # (label, backend, ActiveKV options, vLLM block size: None is the platform default, 128 on CPU)
     runs = [("CPU_ATTN (block 128)", CPU_ATTN, None, None),
-            ("ACTIVEKV exact, block 16, default pool (256 blocks)", ACTIVEKV, {}, 16),
+            ("ACTIVEKV exact, block 128, default options (in place, no pool)", ACTIVEKV, {}, None),
+            ("ACTIVEKV exact, block 16, default options (in place, no pool)", ACTIVEKV, {}, 16),
+            ("ACTIVEKV exact, block 16, pool 256 blocks", ACTIVEKV, {"pool_blocks": 256}, 16),
             (f"ACTIVEKV exact, block 16, pool {whole_batch(16)} blocks (the batch's contexts)", ACTIVEKV,
              {"pool_blocks": whole_batch(16)}, 16),
             (f"ACTIVEKV exact, block 128, pool {whole_batch(128)} blocks (the batch's contexts)", ACTIVEKV,

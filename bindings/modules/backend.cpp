@@ -211,6 +211,7 @@ Builder make_builder(const py::handle& kv_cache_spec, const std::vector<std::str
   // As vLLM's own metadata builders read them (options.h, compressed_default_pool).
   group.max_num_seqs = activekv::py_glue::int_attr_or(vllm_config, "scheduler_config", "max_num_seqs");
   group.num_gpu_blocks = activekv::py_glue::int_attr_or(vllm_config, "cache_config", "num_gpu_blocks");
+  group.device = device;
   const activekv::OptionValues options = activekv_options(vllm_config);
   const std::vector<Impl*> impls = layer_impls(vllm_config, layer_names);
   auto engine = activekv::make_backend_engine(activekv::backend_config(options, group), layer_names, device);

@@ -28,7 +28,8 @@ void register_engine(py::module_& m) {
       .def(py::init([](int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
                        int64_t block_size, at::ScalarType dtype, int64_t pool_blocks, int64_t tile_blocks,
                        at::Device device, const std::string& mode, int64_t budget_tokens, int64_t sink_blocks,
-                       int64_t recent_blocks, const std::string& kernel, const std::string& transfer) {
+                       int64_t recent_blocks, const std::string& kernel, const std::string& transfer,
+                       const std::string& placement) {
              EngineConfig cfg;
              cfg.geometry = Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
                                                tile_blocks);
@@ -39,18 +40,21 @@ void register_engine(py::module_& m) {
              cfg.recent_blocks = recent_blocks;
              cfg.kernel = parse_kernel(kernel);
              cfg.transfer = parse_transfer(transfer);
+             cfg.placement = parse_placement(placement);
              return std::make_shared<Engine>(cfg, device);
            }),
            py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
            py::arg("block_size"), py::arg("dtype"), py::arg("pool_blocks"), py::arg("tile_blocks"),
            py::arg("device") = at::Device("cpu"), py::arg("mode") = "exact", py::arg("budget_tokens") = 2048,
            py::arg("sink_blocks") = 1, py::arg("recent_blocks") = 2, py::arg("kernel") = "native",
-           py::arg("transfer") = "mapped",
+           py::arg("transfer") = "mapped", py::arg("placement") = "pool",
            "mode 'exact' or 'compressed' (budget_tokens, sink_blocks, recent_blocks apply to compressed mode); kernel "
            "'native' (fast CPU kernel) or 'aten' (the bit-exact ATen tile path the reference mirrors). device: the "
            "pool's device; on CUDA each layer's kv_cache is device memory (resident) or pinned CPU memory (tiered), "
            "and transfer picks how a tiered engine admits blocks: 'mapped' (a device gather reading pinned host "
-           "memory) or 'staged' (CPU gather into pinned staging, one host-to-device copy).")
+           "memory) or 'staged' (CPU gather into pinned staging, one host-to-device copy). placement 'pool' (blocks "
+           "admitted into the active pool, copied on a miss) or 'in_place' (CPU only, pool_blocks 0: blocks read where "
+           "they are in each layer's kv_cache, nothing admitted or copied).")
       .def(
           "build",
           [](const std::shared_ptr<Engine>& e, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
@@ -128,7 +132,9 @@ void register_engine(py::module_& m) {
       .def_property_readonly("block_size", [](Engine& e) { return e.geometry().block_size; })
       .def_property_readonly("mode", [](Engine& e) { return std::string(mode_name(e.config().mode)); })
       .def_property_readonly("kernel",
-                             [](Engine& e) { return std::string(kernel_name(e.config().kernel)); });
+                             [](Engine& e) { return std::string(kernel_name(e.config().kernel)); })
+      .def_property_readonly("placement",
+                             [](Engine& e) { return std::string(placement_name(e.config().placement)); });
 }
 
 }  // namespace activekv::py_glue

@@ -69,15 +69,41 @@ Transfer parse_transfer(const std::string& name) {
   return Transfer::kMapped;
 }
 
+Placement parse_placement(const std::string& name) {
+  if (name == "pool") return Placement::kPool;
+  AKV_CHECK_VALUE(name == "in_place", "placement must be 'pool' or 'in_place', got '", name, "'");
+  return Placement::kInPlace;
+}
+
+const char* placement_name(Placement placement) { return placement == Placement::kInPlace ? "in_place" : "pool"; }
+
+namespace {
+
+// The placement's checks, before the KV state allocates a pool.
+const EngineConfig& checked_placement(const EngineConfig& c, at::Device device) {
+  if (c.placement == Placement::kInPlace) {
+    AKV_CHECK_VALUE(device.is_cpu(), "placement 'in_place' needs the CPU (the host tier and the attention on one "
+                    "memory), got device ", device, "; use placement 'pool'");
+    AKV_CHECK_VALUE(c.pool_blocks == 0, "placement 'in_place' has no pool: pool_blocks must be 0, got ",
+                    c.pool_blocks);
+  } else {
+    AKV_CHECK_VALUE(c.pool_blocks >= c.geometry.tile_blocks, "pool_blocks (", c.pool_blocks,
+                    ") must be >= tile_blocks (", c.geometry.tile_blocks,
+                    "): the pool must hold one whole tile to stream a context through it");
+  }
+  return c;
+}
+
+}  // namespace
+
 Engine::Engine(EngineConfig config, at::Device device)
-    : config_(std::move(config)), device_(with_index(device)), kv_(config_.geometry, config_.pool_blocks, device_) {
-  AKV_CHECK_VALUE(config_.pool_blocks >= config_.geometry.tile_blocks, "pool_blocks (", config_.pool_blocks,
-                  ") must be >= tile_blocks (", config_.geometry.tile_blocks,
-                  "): the pool must hold one whole tile to stream a context through it");
+    : config_(checked_placement(config, with_index(device))),
+      device_(with_index(device)),
+      kv_(config_.geometry, config_.pool_blocks, device_) {
   const auto& g = config_.geometry;
   if (config_.mode == Mode::kCompressed) {
     const int64_t need = worst_case_union_blocks(config_);
-    AKV_CHECK_VALUE(config_.pool_blocks >= need, "pool_blocks (", config_.pool_blocks,
+    AKV_CHECK_VALUE(in_place() || config_.pool_blocks >= need, "pool_blocks (", config_.pool_blocks,
                     ") must hold the worst-case union of one request row's selections: num_kv_heads * k + "
                     "sink_blocks + recent_blocks = ",
                     need, " blocks");
@@ -87,6 +113,7 @@ Engine::Engine(EngineConfig config, at::Device device)
   }
   telemetry_.set_info("num_layers", g.num_layers);
   telemetry_.set_info("pool_blocks", config_.pool_blocks);
+  telemetry_.set_info("in_place", in_place() ? 1 : 0);
   telemetry_.set_info("tile_blocks", g.tile_blocks);
   telemetry_.set_info("block_size", g.block_size);
   telemetry_.set_info("bytes_per_block", g.bytes_per_block());
@@ -173,7 +200,7 @@ StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_
   if (path_->batches_units() && !p.selecting) {  // the rounds, unless a layer's selection sizes a unit
     std::vector<UnitBlocks> units(p.num_units());
     for (int64_t u = 0; u < p.num_units(); ++u) units[u] = exact_unit(p, geometry(), u);
-    p.rounds_pool = config_.pool_blocks;
+    p.rounds_pool = round_capacity();
     p.rounds_threads = at::get_num_threads();
     p.rounds = plan_rounds(p, units, p.rounds_pool, geometry().num_kv_heads, p.rounds_threads);
   }
@@ -253,21 +280,30 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
     own.resize(units.size());
     for (size_t u = 0; u < units.size(); ++u) own[u].end = static_cast<int64_t>(u) + 1;
     rounds = &own;
-  } else if (plan.selecting || plan.rounds_pool != config_.pool_blocks ||
+  } else if (plan.selecting || plan.rounds_pool != round_capacity() ||
              plan.rounds_threads != at::get_num_threads()) {
-    own = plan_rounds(plan, units, config_.pool_blocks, g.num_kv_heads, at::get_num_threads());
+    own = plan_rounds(plan, units, round_capacity(), g.num_kv_heads, at::get_num_threads());
     rounds = &own;
   }
-  // The admission loop: a round's units admitted (pinned) in order, computed together, then released in order.
+  // The admission loop: a round's units admitted (pinned) in order, computed together, then released in order. In
+  // place, a unit's "slots" are its block ids in the host tier, which the path reads as it reads a pool (the same
+  // [blocks, num_kv_heads, 2, block_size, head_size] layout): nothing is admitted, pinned or copied.
   const auto out3 = output.view({output.size(0), h, d});
-  const LayerStep step{plan, L, query, out3, scale, selections};
+  const LayerStep step{plan, L, in_place() ? host : L.pool, query, out3, scale, selections};
   path_->begin(step);
   std::vector<AdmittedUnit> admitted;
   int64_t begin = 0;
   for (const auto& round : *rounds) {
     TilePins pins{L, {}};
     admitted.clear();
-    for (int64_t u = begin; u < round.end; ++u) admitted.push_back({u, admit_unit(L, host, units[u], pins.slots)});
+    for (int64_t u = begin; u < round.end; ++u) {
+      if (in_place()) {
+        admitted.push_back({u, std::vector<int64_t>(units[u].ids, units[u].ids + units[u].n)});
+        telemetry_.add(Counter::kBlocksInPlace, units[u].n);
+      } else {
+        admitted.push_back({u, admit_unit(L, host, units[u], pins.slots)});
+      }
+    }
     path_->attend(step, admitted, round.heads_per_task);
     begin = round.end;
   }

@@ -1,6 +1,6 @@
-// The ATen tile path (forward_path.h): one unit admitted and computed at a time, each tile gathered from the pool and
-// folded into the row's online softmax with ATen ops (attention.h), the composition the Python reference mirrors op
-// for op. Also the choice of an engine's path (make_forward_path).
+// The ATen tile path (forward_path.h): one unit admitted and computed at a time, each tile gathered from the pool (in
+// place: from the host tier) and folded into the row's online softmax with ATen ops (attention.h), the composition
+// the Python reference mirrors op for op. Also the choice of an engine's path (make_forward_path).
 #include <activekv/attention.h>
 #include <activekv/cuda_kernel.h>
 #include <activekv/transfer.h>
@@ -49,7 +49,7 @@ void AtenPath::finish(const LayerStep& s) {
 void AtenPath::attend_tile(const LayerStep& s, size_t i, int64_t tile, const std::vector<int64_t>& slots) {
   const auto& w = s.plan.rows[i];
   const int64_t bs = g_.block_size, tb = g_.tile_blocks, n = static_cast<int64_t>(slots.size());
-  auto gathered = gather_tile(s.layer.pool, index_tensor(slots, device_));  // [KVH, 2, n, bs, D]
+  auto gathered = gather_tile(s.kv, index_tensor(slots, device_));  // [KVH, 2, n, bs, D]
   auto mask = tile_mask(w.seq - w.lq, w.lq, tile * tb * bs, n * bs, device_);
   online_softmax_tile(rows_[i].st, rows_[i].qg, gathered, mask, s.scale);
   telemetry_.add(Counter::kTilesComputed);
@@ -60,11 +60,11 @@ void AtenPath::attend_selected(const LayerStep& s, size_t i, const std::vector<i
   const int64_t seq = s.plan.rows[i].seq;
   const RowSelection& rs = s.selections[i];
   const auto head_slots = rs.head_slots(union_slots);
-  // Each head gathers its own blocks: row h*m + j of [KVH * m, 2, bs, D] is (block pos[h, j], head h). The pool
-  // [P, KVH, 2, bs, D] viewed as [P * KVH, 2, bs, D] has K and V of one (block, head) in one contiguous row.
+  // Each head gathers its own blocks: row h*m + j of [KVH * m, 2, bs, D] is (block pos[h, j], head h). The pool (or
+  // in place the host tier) [P, KVH, 2, bs, D] viewed as [P * KVH, 2, bs, D] has K and V of one (block, head) in one contiguous row.
   std::vector<int64_t> flat(kvh * m);
   for (int64_t x = 0; x < kvh * m; ++x) flat[x] = head_slots[x] * kvh + x / m;
-  const auto& pool = s.layer.pool;
+  const auto& pool = s.kv;
   auto per_head = pool.view({pool.size(0) * kvh, 2, bs, g_.head_size})
                       .index_select(0, index_tensor(flat, device_))
                       .view({kvh, m, 2, bs, g_.head_size})

@@ -22,7 +22,7 @@ class CudaPath : public AtenPath {
   void kernel_tile(const LayerStep& s, size_t i, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos,
                    int64_t n, int64_t first_query_pos, int64_t lq) {
     CudaAttendArgs a;
-    a.pool = s.layer.pool;
+    a.pool = s.kv;
     a.slots = index_tensor(slots, device_);
     a.pos = index_tensor(pos, device_);
     a.n = n;

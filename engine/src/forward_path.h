@@ -3,8 +3,8 @@
 // chosen at construction by make_forward_path: the ATen tile path (forward_aten.cpp, the bit-exact path the Python
 // reference mirrors), the CPU kernel's path (cpu/forward_cpu.cpp) and the CUDA kernel's path (forward_cuda.cpp, which
 // falls back to the ATen path for the rows its kernel does not take). Engine::forward owns what they share: the
-// admission loop (units admitted round by round, pins released after each round), selection and telemetry of
-// admission; a path owns its per-layer query layout, online-softmax state, compute and output.
+// admission loop (units admitted round by round, pins released after each round; in place, the units' block ids
+// handed over as they are), selection and telemetry of admission; a path owns its per-layer query layout, online-softmax state, compute and output.
 #include <activekv/engine.h>
 #include <activekv/selection.h>
 #include <activekv/step_plan.h>
@@ -19,13 +19,16 @@ namespace activekv {
 struct LayerStep {
   const StepPlan& plan;
   LayerState& layer;
+  /// What the units' slots index, [blocks, num_kv_heads, 2, block_size, head_size] contiguous: the layer's pool, or
+  /// in place its host tier (the slots are then the blocks' own ids)
+  const at::Tensor& kv;
   const at::Tensor& query;  ///< [>= tokens, num_heads, head_size], the geometry's dtype
   const at::Tensor& out;    ///< [>= tokens, num_heads, head_size] contiguous, written for the plan's rows
   double scale;
   const std::vector<RowSelection>& selections;  ///< by plan row: the layer's selection of each selecting row
 };
 
-/// An admitted unit: its index in the step and the pool slots of its blocks (in the unit's order).
+/// An admitted unit: its index in the step and the slots of its blocks in LayerStep::kv (in the unit's order).
 struct AdmittedUnit {
   int64_t unit = 0;
   std::vector<int64_t> slots;

@@ -82,7 +82,8 @@ void reset_page_table(LayerState& layer) {
 
 KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device)
     : g_(g), pool_blocks_(pool_blocks), device_(device) {
-  AKV_CHECK_VALUE(pool_blocks >= 1, "pool_blocks must be >= 1, got ", pool_blocks);
+  AKV_CHECK_VALUE(pool_blocks >= 0, "pool_blocks must be >= 0 (0: no pool, for placement in place), got ",
+                  pool_blocks);
   layers_.resize(g.num_layers);
   int64_t bytes = 0;
   AKV_CHECK_VALUE(!__builtin_mul_overflow(pool_blocks, g.bytes_per_block(), &bytes), "pool_blocks (", pool_blocks,

@@ -21,7 +21,7 @@ struct OptionSpec {
 constexpr OptionSpec kOptions[] = {
     {"mode", OptionKind::kText},          {"pool_blocks", OptionKind::kInt},   {"tile_blocks", OptionKind::kInt},
     {"kernel", OptionKind::kText},        {"budget_tokens", OptionKind::kInt}, {"sink_blocks", OptionKind::kInt},
-    {"recent_blocks", OptionKind::kInt},  {"telemetry_json", OptionKind::kPath},
+    {"recent_blocks", OptionKind::kInt},  {"telemetry_json", OptionKind::kPath}, {"placement", OptionKind::kText},
 };
 
 std::string option_label(const std::string& name) { return "additional_config['activekv']['" + name + "']"; }
@@ -87,10 +87,25 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
   try {
     cfg.mode = parse_mode(options.count("mode") ? text("mode") : std::string("exact"));
     if (options.count("kernel")) cfg.kernel = parse_kernel(text("kernel"));
+    if (options.count("placement")) cfg.placement = parse_placement(text("placement"));
   } catch (const c10::ValueError& e) {
     AKV_CHECK_VALUE(false, "additional_config['activekv']: ", e.what_without_backtrace());
   }
-  const int64_t tile_blocks = option_int(options, "tile_blocks", kDefaultTileBlocks);
+  // Placement: as given; else in place on the CPU unless pool_blocks asks for a pool.
+  const bool pool_given = options.count("pool_blocks") != 0;
+  if (!options.count("placement"))
+    cfg.placement = group.device.is_cpu() && !pool_given ? Placement::kInPlace : Placement::kPool;
+  if (cfg.placement == Placement::kInPlace) {
+    AKV_CHECK_VALUE(!pool_given, option_label("placement"), " 'in_place' has no pool: drop ",
+                    option_label("pool_blocks"), " or set placement 'pool'");
+    AKV_CHECK_VALUE(group.device.is_cpu(), option_label("placement"), " 'in_place' needs the CPU, got device ",
+                    group.device, "; set placement 'pool'");
+  }
+  const int64_t pool_blocks = option_int(options, "pool_blocks", -1);  // -1: not given
+  AKV_CHECK_VALUE(!pool_given || pool_blocks >= 1, option_label("pool_blocks"), " must be >= 1, got ", pool_blocks);
+  // A pool smaller than the default tile, with no tile given, takes tiles of the pool's size.
+  const int64_t tile_blocks = option_int(
+      options, "tile_blocks", pool_given ? std::min(kDefaultTileBlocks, pool_blocks) : kDefaultTileBlocks);
   AKV_CHECK_VALUE(tile_blocks >= 1, option_label("tile_blocks"), " must be >= 1, got ", tile_blocks);
   // Name where an impossible geometry came from: the model's KV-cache spec, not an argument the user typed.
   const auto from = c10::str("kv_cache_spec (block_size ", group.block_size, ", num_kv_heads ", group.num_kv_heads,
@@ -107,12 +122,17 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
   cfg.budget_tokens = option_int(options, "budget_tokens", cfg.budget_tokens);
   cfg.sink_blocks = option_int(options, "sink_blocks", cfg.sink_blocks);
   cfg.recent_blocks = option_int(options, "recent_blocks", cfg.recent_blocks);
-  const int64_t default_pool =
-      cfg.mode == Mode::kCompressed
-          ? compressed_default_pool(worst_case_union_blocks(cfg), group.max_num_seqs, group.num_gpu_blocks)
-          : kDefaultPoolBlocks;
-  cfg.pool_blocks = option_int(options, "pool_blocks", default_pool);
-  AKV_CHECK_VALUE(cfg.pool_blocks >= 1, option_label("pool_blocks"), " must be >= 1, got ", cfg.pool_blocks);
+  if (cfg.placement == Placement::kInPlace) {
+    cfg.pool_blocks = 0;
+    if (cfg.mode == Mode::kCompressed) worst_case_union_blocks(cfg);  // the budget's checks, as a pool's default
+  } else if (pool_given) {
+    cfg.pool_blocks = pool_blocks;
+  } else {
+    cfg.pool_blocks =
+        cfg.mode == Mode::kCompressed
+            ? compressed_default_pool(worst_case_union_blocks(cfg), group.max_num_seqs, group.num_gpu_blocks)
+            : kDefaultPoolBlocks;
+  }
   if (options.count("telemetry_json")) {
     out.telemetry_json = text("telemetry_json");
     check_telemetry_json(out.telemetry_json);

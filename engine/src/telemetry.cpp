@@ -36,6 +36,7 @@ const char* counter_name(Counter c) {
     case Counter::kUnionBlocks: return "union_blocks";
     case Counter::kPlannedBlocks: return "planned_blocks";
     case Counter::kPlannedTiles: return "planned_tiles";
+    case Counter::kBlocksInPlace: return "blocks_in_place";
     case Counter::kCount: break;
   }
   return "unknown";

@@ -42,6 +42,8 @@ const CounterSpec kCounterSpecs[] = {
     {"planned_blocks", "activekv_planned_blocks", "",
      "Block ids build checked and planned: the context blocks of every row with query tokens."},
     {"planned_tiles", "activekv_planned_tiles", "", "Exact-mode tiles build planned, once per step."},
+    {"blocks_in_place", "activekv_blocks_in_place", "",
+     "KV blocks attended where they are in the host tier (in-place placement: no pool, no copy)."},
 };
 static_assert(sizeof kCounterSpecs / sizeof kCounterSpecs[0] == static_cast<size_t>(Counter::kCount),
               "one Prometheus spec per counter, in Counter order");

@@ -33,6 +33,7 @@ COUNTERS = (
     "union_blocks",
     "planned_blocks",
     "planned_tiles",
+    "blocks_in_place",
 )
 
 
@@ -199,9 +200,15 @@ class RefEngine:
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
                  dtype: torch.dtype, pool_blocks: int, tile_blocks: int, mode: str = "exact",
                  budget_tokens: int = 2048, sink_blocks: int = 1, recent_blocks: int = 2, kernel: str = "aten",
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", placement: str = "pool") -> None:
         if kernel != "aten":
             raise ValueError(f"the reference mirrors the ATen tile path only, got kernel={kernel!r}")
+        if placement not in ("pool", "in_place"):
+            raise ValueError(f"placement must be 'pool' or 'in_place', got {placement!r}")
+        if placement == "in_place" and (torch.device(device).type != "cpu" or pool_blocks != 0):
+            raise ValueError("placement 'in_place' needs the CPU and pool_blocks 0")
+        # engine.h Placement: in place, a unit's blocks are read where they are in the host tier (no pool, no copy)
+        self.in_place = placement == "in_place"
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:  # as the engine: pin the current device's index
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -370,8 +377,15 @@ class RefEngine:
                 self._attend_exact(lay, host, row, seq, lq, qg, st, scale)
             out3.narrow(0, q0, lq).copy_(ungroup_output(torch.div(st[2], st[1]), lq))
 
+    def _kv(self, lay: RefLayer, host: torch.Tensor) -> torch.Tensor:
+        """What a unit's slots index (forward_path.h LayerStep::kv): the pool, or in place the host tier."""
+        return host if self.in_place else lay.pool
+
     def _admit_and_copy(self, lay: RefLayer, host: torch.Tensor, blocks: list[int]) -> list[int]:
-        """engine.cpp admit_unit."""
+        """engine.cpp admit_unit; in place (engine.cpp forward), the blocks' own ids, nothing admitted."""
+        if self.in_place:
+            self.counters["blocks_in_place"] += len(blocks)
+            return list(blocks)
         slots, miss_b, miss_s, hits, evicted = self._admit(lay, blocks)
         if miss_b:
             # transfer.cpp copy_blocks: one gather, one scatter.
@@ -391,12 +405,12 @@ class RefEngine:
         for ti, start in enumerate(range(0, len(row), tb)):
             blocks = row[start:start + tb]
             slots = self._admit_and_copy(lay, host, blocks)
-            tile = gather_tile(lay.pool, torch.tensor(slots, dtype=torch.int64, device=self.device))
+            tile = gather_tile(self._kv(lay, host), torch.tensor(slots, dtype=torch.int64, device=self.device))
             n = len(blocks)
             mask = tile_mask(seq - lq, lq, ti * tb * bs, n * bs, self.device)
             online_softmax_tile(st, qg, tile, mask, scale)
             self.counters["tiles_computed"] += 1
-            for s in slots:
+            for s in slots if not self.in_place else ():
                 lay.pins[s] -= 1
 
     def _attend_selected(self, layer: int, lay: RefLayer, host: torch.Tensor, row: list[int], seq: int, r: int,
@@ -414,7 +428,8 @@ class RefEngine:
         slots = self._admit_and_copy(lay, host, union_blocks)
         slot_of_pos = dict(zip(union_pos, slots))
         flat = [slot_of_pos[pp[h * m + j]] * kvh + h for h in range(kvh) for j in range(m)]
-        per_head = (lay.pool.view(lay.pool.shape[0] * kvh, 2, bs, d)
+        kv = self._kv(lay, host)
+        per_head = (kv.view(kv.shape[0] * kvh, 2, bs, d)
                     .index_select(0, torch.tensor(flat, dtype=torch.int64, device=self.device))
                     .view(kvh, m, 2, bs, d)
                     .permute(0, 2, 1, 3, 4))
@@ -425,7 +440,7 @@ class RefEngine:
             mask = kpos.gt(seq - 1).view(kvh, 1, 1, n * bs)
             online_softmax_tile(st, qg, per_head.narrow(2, t, n), mask, scale)
             self.counters["tiles_computed"] += 1
-        for s in slots:
+        for s in slots if not self.in_place else ():
             lay.pins[s] -= 1
         self.selection[layer][r] = row_blocks.index_select(0, pos.reshape(-1).cpu()).view(kvh, m)
         self.counters["compressed_rows"] += 1

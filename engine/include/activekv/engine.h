@@ -17,6 +17,7 @@
 #include <activekv/telemetry.h>
 #include <activekv/transfer.h>
 
+#include <limits>
 #include <memory>
 #include <optional>
 #include <mutex>
@@ -47,10 +48,22 @@ enum class Transfer : int {
 /// Transfer from its option spelling ("mapped" or "staged"). @throws c10::ValueError naming the valid ones.
 Transfer parse_transfer(const std::string& name);
 
+/// Where a forward reads the blocks it attends.
+enum class Placement : int {
+  kPool = 0,     ///< admitted into the engine's active pool (copied from the host tier on a miss), read there
+  kInPlace = 1,  ///< read where they are in the host tier (vLLM's KV cache): no pool, no admission, no copy. CPU
+                 ///< only, where the host tier and a pool would be the same memory
+};
+/// Placement from its option spelling ("pool" or "in_place"). @throws c10::ValueError naming the valid ones.
+Placement parse_placement(const std::string& name);
+/// Option spelling of a placement.
+const char* placement_name(Placement placement);
+
 /// Engine configuration, validated at construction.
 struct EngineConfig {
   Geometry geometry;
-  int64_t pool_blocks = 0;  ///< active-pool slots per layer, >= geometry.tile_blocks
+  int64_t pool_blocks = 0;  ///< active-pool slots per layer, >= geometry.tile_blocks (in place: 0, no pool)
+  Placement placement = Placement::kPool;
   Mode mode = Mode::kExact;
   Kernel kernel = Kernel::kNative;  ///< kNative: the device's fast kernel (see Kernel)
   Transfer transfer = Transfer::kMapped;  ///< tiered engines only
@@ -70,8 +83,9 @@ class ForwardPath;  // forward_path.h (private to the engine)
 /// threads (vLLM drives it from one); distinct instances are independent and run in parallel.
 class Engine {
  public:
-  /// @throws c10::ValueError if pool_blocks < tile_blocks or the geometry is invalid; in compressed mode also if
-  ///         recent_blocks < 1, sink_blocks < 0, budget_tokens < (sink_blocks + recent_blocks + 1) * block_size, or
+  /// @throws c10::ValueError if the geometry is invalid; with a pool if pool_blocks < tile_blocks; in place if the
+  ///         device is not the CPU or pool_blocks is not 0; in compressed mode also if recent_blocks < 1,
+  ///         sink_blocks < 0, budget_tokens < (sink_blocks + recent_blocks + 1) * block_size, or (with a pool)
   ///         pool_blocks < worst_case_union_blocks.
   /// @param device the pool's device. On CPU the host tier (each layer's kv_cache) is CPU memory too. On a CUDA device
   ///        it is either that device's memory (resident) or pinned CPU memory (tiered: admitted blocks move
@@ -141,6 +155,11 @@ class Engine {
 
  private:
   void check_layer(int64_t layer) const;
+  bool in_place() const { return config_.placement == Placement::kInPlace; }
+  /// Blocks a round of a batching path may hold: the pool's slots, or (in place, nothing admitted) no limit.
+  int64_t round_capacity() const {
+    return in_place() ? std::numeric_limits<int64_t>::max() : config_.pool_blocks;
+  }
   /// Admit one unit's blocks: admit_tile, the slots appended to `pinned` (the caller's pins, released even if the copy
   /// throws), the missing blocks copied from the host tier, the admission counters added. @return the unit's slots
   std::vector<int64_t> admit_unit(LayerState& L, const at::Tensor& host, UnitBlocks blocks,

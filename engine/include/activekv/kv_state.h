@@ -49,7 +49,7 @@ void reset_page_table(LayerState& layer);
 /// The two tiers of every layer.
 class KVState {
  public:
-  /// @param pool_blocks active-pool slots per layer (>= 1).
+  /// @param pool_blocks active-pool slots per layer (>= 0; 0 for an engine that attends in place, which has no pool).
   /// @param device device of the pool (the host tier's device on CPU).
   KVState(const Geometry& g, int64_t pool_blocks, at::Device device);
 

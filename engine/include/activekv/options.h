@@ -36,6 +36,7 @@ struct KvCacheGroup {
   at::ScalarType dtype = at::kFloat;                          ///< kv_cache_spec.dtype
   int64_t max_num_seqs = -1;    ///< scheduler_config.max_num_seqs; -1 where vLLM's config lacks an int there
   int64_t num_gpu_blocks = -1;  ///< cache_config.num_gpu_blocks; likewise
+  at::Device device = at::kCPU;  ///< the device the group's attention runs on (the engine's)
 };
 
 /// A builder's engine settings: the engine's configuration and where its telemetry JSON goes ("" for nowhere).
@@ -44,8 +45,9 @@ struct BackendConfig {
   std::string telemetry_json;
 };
 
-/// Defaults: a pool of 256 blocks per layer, tiles of 16 blocks (exact mode; compressed mode's default pool is
-/// compressed_default_pool).
+/// Defaults: on the CPU, with neither pool_blocks nor placement given, placement in place (no pool: the host tier and a
+/// pool would be the same memory); else a pool of 256 blocks per layer (exact mode; compressed mode's default pool is
+/// compressed_default_pool). Tiles of 16 blocks, or of pool_blocks blocks where pool_blocks alone is smaller.
 inline constexpr int64_t kDefaultPoolBlocks = 256;
 inline constexpr int64_t kDefaultTileBlocks = 16;
 
@@ -58,9 +60,10 @@ inline constexpr int64_t kDefaultTileBlocks = 16;
 /// union.
 int64_t compressed_default_pool(int64_t union_blocks, int64_t max_num_seqs, int64_t num_gpu_blocks);
 
-/// The validated settings of a builder, every message naming the option (additional_config['activekv'][...]) or,
-/// for an impossible geometry, the kv_cache_spec it came from. Checks the telemetry_json path's folder (it must
-/// exist and be writable; the path must not be a directory) now, not at shutdown where no one sees the error.
+/// The validated settings of a builder (placement, pool and tile resolved as the defaults above say), every message
+/// naming the option (additional_config['activekv'][...]) or, for an impossible geometry, the kv_cache_spec it came
+/// from. Checks the telemetry_json path's folder (it must exist and be writable; the path must not be a directory)
+/// now, not at shutdown where no one sees the error.
 /// @throws c10::ValueError / c10::TypeError; the same the Engine constructor throws for the settings it checks.
 BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& group);
 

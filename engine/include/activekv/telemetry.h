@@ -52,6 +52,7 @@ enum class Counter : int {
   kUnionBlocks,          ///< blocks admitted for those rows: the union over each row's KV heads
   kPlannedBlocks,        ///< block ids build checked and planned: the context blocks of every row with query tokens
   kPlannedTiles,         ///< exact-mode tiles build planned (rows that do not select); once per step, not per layer
+  kBlocksInPlace,        ///< blocks attended where they are in the host tier (in-place placement: no admission)
   kCount
 };
 

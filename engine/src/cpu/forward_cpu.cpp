@@ -1,7 +1,8 @@
 // The CPU kernel's path (forward_path.h): a round of admitted units (every unit that fits the pool beside the others,
 // StepPlan rounds) computed by one parallel region over its (request row, KV heads) tasks, each task's blocks attended
-// in order by one thread with the kernel of cpu_kernel.h, reading the pool in place. The rows' grouped queries and
-// online-softmax state live in buffers of the path's own, and it writes every row's output itself.
+// in order by one thread with the kernel of cpu_kernel.h, reading the pool in place (with placement 'in_place', the
+// host tier itself, and one round holds every unit). The rows' grouped queries and online-softmax state live in
+// buffers of the path's own, and it writes every row's output itself.
 //
 // Rounds hold whole tiles, so a row's arithmetic does not depend on the rounds, the pool size or the thread count;
 // a held unit's slots are the newest in LRU order and pins are released in admission order, so the slots, hits,
@@ -123,8 +124,8 @@ class CpuPath : public ForwardPath {
     for (size_t i = 0; i < round_.size(); ++i)
       if (!round_[i].slots.empty())
         for (int64_t h0 = 0; h0 < kvh; h0 += per_task) tasks_.emplace_back(i, h0);
-    const auto* pool_bytes = static_cast<const char*>(s.layer.pool.data_ptr());
-    const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(s.layer.pool.element_size());  // K and V of (block, head)
+    const auto* pool_bytes = static_cast<const char*>(s.kv.data_ptr());  // the pool, or in place the host tier
+    const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(s.kv.element_size());  // K and V of (block, head)
     const auto& rows = s.plan.rows;
     at::parallel_for(0, static_cast<int64_t>(tasks_.size()), 1, [&](int64_t begin, int64_t end) {
       std::vector<const void*> ptrs;
