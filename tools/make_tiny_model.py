@@ -44,11 +44,8 @@ SPEC: dict[str, Any] = {
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _wanted_stamp_spec(seed: int) -> dict[str, Any]:
