@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import activekv._backend as backend
-from tests.parity_cells import NUM_LAYERS, Cell, compressed_cells, exact_cells, host_blocks_for, make_steps
+from tools.parity_cells import Cell, compressed_cells, exact_cells, host_blocks_for, run_engine
 
 # Native kernel vs ATen tile path, compared on the output tensor (in the model dtype). Both accumulate in float32;
 # they differ in summation order (vectorised dot products, per-block rescaling) and in exp (Sleef vs ATen's), a few
@@ -37,31 +37,13 @@ def run(cell: Cell, kernel: str, selections: list | None = None,
     every forward's compressed-mode selection per request row ({row: [num_kv_heads, per_head] block ids});
     `tile_blocks`, if given, replaces the cell's tile (the pool must hold it); `fill` is the value of every KV cache
     slot no token has been written to."""
-    nb = host_blocks_for(cell)
-    kwargs = dict(cell.engine_kwargs(), kernel=kernel)
-    args = cell.engine_args()
-    if tile_blocks is not None:
-        assert args[-2] > tile_blocks, "the pool must hold more than one tile"
-        args = (*args[:-1], tile_blocks)
-    eng = backend.Engine(*args, **kwargs)
-    caches = [torch.full((nb, 2, cell.block_size, 2 * cell.head_size), fill, dtype=cell.dtype)
-              for _ in range(NUM_LAYERS)]
-    outs = []
-    for st in make_steps(cell, nb):
-        plan = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_reqs, st.num_actual_tokens)
-        for layer in range(NUM_LAYERS):
-            eng.update_kv(layer, st.k[layer], st.v[layer], caches[layer], st.slot_mapping)
-            out = torch.full_like(st.q[layer], 7.0)
-            eng.forward(layer, plan, st.q[layer], caches[layer], out, cell.head_size ** -0.5)
-            outs.append(out)
-            if selections is not None:
-                selections.append(eng.selection(layer))
+    outs, eng = run_engine(cell, kernel, selections, tile_blocks, fill)
     snap = eng.snapshot()
     return outs, {k: v for k, v in snap.items() if k not in ("histograms", "info")}
 
 
 def run_aten_one_thread(cell: Cell, tile_blocks: int | None = None) -> tuple[list[torch.Tensor], dict]:
-    """run(cell, "aten") with one intra-op thread (tests/parity_cells.py says why): at head size 40 / block 8, with two
+    """run(cell, "aten") with one intra-op thread (tools/parity_cells.py says why): at head size 40 / block 8, with two
     threads, the ATen path's first forward came out 1e-4 away from its own usual result in about 1 process in 20 (the
     native side did not move), a BLAS split rather than the engine; one thread fixes its summation order."""
     threads = torch.get_num_threads()
@@ -232,7 +214,7 @@ AMX_SCRIPT = """
 import sys, torch
 import activekv._backend as backend
 from tests.test_cpu_kernel import run
-from tests.parity_cells import Cell
+from tools.parity_cells import Cell
 torch.set_num_threads(int(sys.argv[2]))
 bf = torch.bfloat16
 cells = [  # (cell, tile_blocks): decode and prefill rows, 1 to 8 query rows per KV head, short and long tiles
@@ -293,7 +275,7 @@ CAPABILITY_SCRIPT = """
 import sys, torch
 import activekv._backend as backend
 from tests.test_cpu_kernel import run
-from tests.parity_cells import Cell
+from tools.parity_cells import Cell
 cell = Cell(getattr(torch, sys.argv[2]), 80, 4, 16, "multiple", False, 3, True, mode="compressed")
 outs, _ = run(cell, "native")
 torch.save(outs, sys.argv[1])

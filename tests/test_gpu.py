@@ -19,7 +19,7 @@ import random
 import pytest
 import torch
 
-from tests.parity_cells import Cell, compressed_cells, exact_cells, run_cell
+from tools.parity_cells import Cell, compressed_cells, exact_cells, run_cell
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with make gpu-check)")
 
@@ -203,7 +203,7 @@ KERNEL_CELLS = [c for c in EXACT + COMPRESSED if c.head_size in (64, 128)]
 def _replay(cell: Cell, kernel: str) -> list[torch.Tensor]:
     """The cell's steps on one CUDA engine (resident host tier); every forward's output, in order."""
     import activekv._backend as backend
-    from tests.parity_cells import NUM_LAYERS, host_blocks_for, make_steps
+    from tools.parity_cells import NUM_LAYERS, host_blocks_for, make_steps
 
     nb = host_blocks_for(cell)
     kwargs = dict(cell.engine_kwargs(), kernel=kernel)

@@ -3,7 +3,7 @@
 
 Here: its output equals the pooled path's bit for bit on each kernel (both read the same bytes in the same order; only
 where they lie differs), telemetry counts every block attended in place and nothing admitted, and its checks. The
-Python reference models it too: tests/parity_cells.py in_place_cells, run by tests/test_parity.py and `make parity`.
+Python reference models it too: tools/parity_cells.py in_place_cells, run by tests/test_parity.py and `make parity`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import activekv._backend as backend
-from tests.parity_cells import NUM_LAYERS, Cell, host_blocks_for, make_steps
+from tools.parity_cells import NUM_LAYERS, Cell, run_engine
 
 # A pool smaller than the contexts (evictions on every step) against no pool at all.
 EXACT = Cell(torch.bfloat16, 128, 4, 16, "unaligned", True, 3, True)
@@ -23,17 +23,7 @@ COMPRESSED = Cell(torch.float32, 64, 4, 16, "multiple", True, 3, True, mode="com
 
 def replay(cell: Cell, kernel: str) -> tuple[list[torch.Tensor], dict, backend.Engine]:
     """Every step of the cell on one engine: the outputs of every (step, layer), its snapshot and the engine."""
-    nb = host_blocks_for(cell)
-    eng = backend.Engine(*cell.engine_args(), **{**cell.engine_kwargs(), "kernel": kernel})
-    caches = [torch.zeros(nb, 2, cell.block_size, 2 * cell.head_size, dtype=cell.dtype) for _ in range(NUM_LAYERS)]
-    outs = []
-    for st in make_steps(cell, nb):
-        plan = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_reqs, st.num_actual_tokens)
-        for layer in range(NUM_LAYERS):
-            eng.update_kv(layer, st.k[layer], st.v[layer], caches[layer], st.slot_mapping)
-            out = torch.full_like(st.q[layer], 7.0)
-            eng.forward(layer, plan, st.q[layer], caches[layer], out, cell.head_size ** -0.5)
-            outs.append(out)
+    outs, eng = run_engine(cell, kernel)
     return outs, eng.snapshot(), eng
 
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from tests.parity_cells import Cell, compressed_cells, exact_cells, in_place_cells, run_cell
+from tools.parity_cells import Cell, compressed_cells, exact_cells, in_place_cells, run_cell
 
 SUBSET_CELLS = 48
 EXACT_SUBSET = random.Random(0).sample(exact_cells(), SUBSET_CELLS)
@@ -24,7 +24,7 @@ AXES = ("dtype", "head_size", "gqa", "block_size", "context", "streaming", "batc
 @pytest.fixture(autouse=True)
 def one_intra_op_thread():
     """One intra-op thread, so every matmul's summation order is fixed and torch.equal tests the engine alone (the
-    reason in full: tests/parity_cells.py)."""
+    reason in full: tools/parity_cells.py)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.parity_cells import Cell, Mismatch, compressed_cells, exact_cells, in_place_cells, run_cell
+from tools.parity_cells import Cell, Mismatch, compressed_cells, exact_cells, in_place_cells, run_cell
 from tests.reference.engine import RefEngine
 from tools import parity
 

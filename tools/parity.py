@@ -1,10 +1,10 @@
-"""Parity matrix runner: every cell of tests/parity_cells.py, native engine (ATen path) against the Python reference.
+"""Parity matrix runner: every cell of tools/parity_cells.py, native engine (ATen path) against the Python reference.
 
 Usage::
 
     python -m tools.parity [--mode exact|compressed|all] [--filter SUBSTR] [--jobs N] [--out DIR]
 
-Runs `tests.parity_cells.run_cell` (the same runner `tests/test_parity.py` uses) on every selected cell: outputs and
+Runs `tools.parity_cells.run_cell` (the same runner `tests/test_parity.py` uses) on every selected cell: outputs and
 selected blocks per KV head at every step and layer, then telemetry counters, both KV tiers, key metadata and page
 tables, all bit for bit. A cell that differs does not stop the run: its verdict is `differs` with the first differing
 item (`error` when the engine or the reference raised something else). Writes `report.md` (a table: every cell, its
@@ -45,8 +45,8 @@ DEFAULT_OUT = REPO_ROOT / "build" / "parity"
 MODES = ("exact", "compressed", "all")
 VERDICTS = ("match", "differs", "error")
 
-try:  # tests.parity_cells imports the native module; without it there is nothing to compare
-    from tests.parity_cells import Cell, Mismatch, compressed_cells, exact_cells, in_place_cells, run_cell
+try:  # tools.parity_cells imports the native module; without it there is nothing to compare
+    from tools.parity_cells import Cell, Mismatch, compressed_cells, exact_cells, in_place_cells, run_cell
     from tests.reference.engine import COUNTERS
 except ImportError as exc:
     _IMPORT_ERROR: ImportError | None = exc
@@ -191,7 +191,7 @@ def write_reports(out: Path, results: Sequence[Result], header: dict[str, Any]) 
         f"- versions: {header['versions']}",
         f"- intra-op threads per cell: 1; jobs: {header['jobs']}; wall time: {header['wall_s']:.0f} s",
         "- compared bit for bit per cell: outputs and selected blocks per KV head at every step and layer; telemetry "
-        "counters, host tier, pool, key min/max and page tables at the end (tests/parity_cells.py, run_cell)",
+        "counters, host tier, pool, key min/max and page tables at the end (tools/parity_cells.py, run_cell)",
         "",
     ]
     bad = [r for r in results if r.verdict != "match"]

@@ -229,6 +229,33 @@ def host_blocks_for(cell: Cell) -> int:
     return 2 * sum((p + cell.decode_steps + bs - 1) // bs for p in cell.prompt_lens()) + 4
 
 
+def run_engine(cell: Cell, kernel: str, selections: list | None = None, tile_blocks: int | None = None,
+               fill: float = 0.0) -> tuple[list[torch.Tensor], backend.Engine]:
+    """Every step of the cell on one native engine (no reference): (every forward's output, in step then layer order;
+    the engine). `selections`, if given, receives every forward's compressed-mode selection per request row ({row:
+    [num_kv_heads, per_head] block ids}); `tile_blocks`, if given, replaces the cell's tile (the pool must hold more
+    than one); `fill` is the value of every KV cache slot no token has been written to."""
+    nb = host_blocks_for(cell)
+    args = cell.engine_args()
+    if tile_blocks is not None:
+        assert args[-2] > tile_blocks, "the pool must hold more than one tile"
+        args = (*args[:-1], tile_blocks)
+    eng = backend.Engine(*args, **{**cell.engine_kwargs(), "kernel": kernel})
+    caches = [torch.full((nb, 2, cell.block_size, 2 * cell.head_size), fill, dtype=cell.dtype)
+              for _ in range(NUM_LAYERS)]
+    outs = []
+    for st in make_steps(cell, nb):
+        plan = eng.build(st.query_start_loc, st.seq_lens, st.block_table, st.num_reqs, st.num_actual_tokens)
+        for layer in range(NUM_LAYERS):
+            eng.update_kv(layer, st.k[layer], st.v[layer], caches[layer], st.slot_mapping)
+            out = torch.full_like(st.q[layer], 7.0)
+            eng.forward(layer, plan, st.q[layer], caches[layer], out, cell.head_size ** -0.5)
+            outs.append(out)
+            if selections is not None:
+                selections.append(eng.selection(layer))
+    return outs, eng
+
+
 class Mismatch(AssertionError):
     """The engine and the reference disagree. The message names the cell, where (step, layer) and the first item that
     differs; `snapshot` holds the engine's telemetry counters when the difference was found."""
