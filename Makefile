@@ -82,7 +82,7 @@ unpatch-vllm: $(ACTIVEKV) ## revert patches/ from the vLLM installed in .venv wi
 	else $(ACTIVEKV) patch revert --patches $(PATCHES); fi
 
 test: build wheel patch-vllm real-model ## build, build and audit the wheel, patch vLLM, run the test suites
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 sanitize: venv ## build engine + bindings with ASan + UBSan in build/sanitize, run the unit, parity and fuzz suites under them
 	PY=$(PY) tools/sanitize.sh
