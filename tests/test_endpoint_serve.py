@@ -51,7 +51,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     segments = tmp / "segments"
     segments.mkdir()
     port, log = serving.free_port(), tmp / "serve.log"
-    env = serving.vllm_env(ACTIVEKV_TELEMETRY_DIR=str(segments))
+    # vLLM's API server exits within 5 s of its engine's death (watchdog_loop and terminate_if_errored,
+    # vllm/entrypoints/launchers/launcher.py:312-333) unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1: set, the server
+    # stays up after the last test kills the engine core, so its 503s are answered rather than refused.
+    env = serving.vllm_env(ACTIVEKV_TELEMETRY_DIR=str(segments), VLLM_KEEP_ALIVE_ON_ENGINE_DEATH="1")
     env.pop("VLLM_PLUGINS", None)  # the launcher's rule for an unset VLLM_PLUGINS is under test
     options = {"activekv": {"pool_blocks": POOL_BLOCKS, "tile_blocks": 4}}
     cmd = [str(LAUNCHER), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -211,7 +214,9 @@ def test_unavailable_telemetry_is_a_json_500_and_the_server_keeps_serving(server
 
 def test_a_dead_engine_is_a_503_as_vllms_health(server: dict) -> None:
     """Last in this module (the server has no engine afterwards): the engine core killed, vLLM's client marks the
-    engine dead (its monitor thread sees the process end) and /health answers 503; so do both routes."""
+    engine dead (its monitor thread sees the process end) and /health answers 503; so do both routes. The server
+    outlives its engine only with VLLM_KEEP_ALIVE_ON_ENGINE_DEATH=1 (the fixture sets it); without it vLLM shuts
+    the server down within 5 s and these requests would race that shutdown."""
     status, _, body = get(server, "/activekv/telemetry")
     assert status == 200 and len(body["pids"]) == 1, body
     os.kill(body["pids"][0], signal.SIGKILL)  # the engine core: this server's child, started by this test's fixture
