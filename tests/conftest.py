@@ -1,9 +1,12 @@
 """Shared pytest configuration: the `vllm` marker, and the repository root on sys.path so `tools.*` imports work
 under a bare `pytest` as well as `python -m pytest`. Fixtures live next to the tests that use them; the one used by
-several files (`model_dir`, the tiny model with its tokenizer) lives here."""
+several files (`model_dir`, the tiny model with its tokenizer) lives here. Every vLLM the tests start, in process or as
+a child (which inherits this environment), caches its compiled graphs as tools/vllm_run.py's COMPILE_CACHE_ENV says,
+unless the shell that ran pytest chose otherwise."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +16,11 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+from tools.vllm_run import COMPILE_CACHE_ENV  # noqa: E402 (the repository root is on sys.path from here)
+
+for _key, _value in COMPILE_CACHE_ENV.items():
+    os.environ.setdefault(_key, _value)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tools.vllm_run import VLLM_CACHE_ROOT
+from tools.vllm_run import COMPILE_CACHE_ENV, VLLM_CACHE_ROOT
 
 # vLLM's own CLI exactly as its `vllm` console script runs it (vllm's entry_points.txt), with this venv's python.
 VLLM_CLI = [sys.executable, "-c",
@@ -81,6 +81,8 @@ def vllm_env(**extra: str) -> dict[str, str]:
     """The environment vLLM runs under in these tests: offline, 1 GiB of KV cache, unbuffered, engine core spawned,
     compiled graphs cached where the in-process engines cache theirs (tools/vllm_run.py, under build/)."""
     extra.setdefault("VLLM_CACHE_ROOT", os.environ.get("VLLM_CACHE_ROOT", str(VLLM_CACHE_ROOT)))
+    for key, value in COMPILE_CACHE_ENV.items():
+        extra.setdefault(key, os.environ.get(key, value))
     return child_env("VLLM_ENABLE_V1_MULTIPROCESSING", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                      PYTHONUNBUFFERED="1", **extra)
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from tools.real_model import DEFAULT_OUTDIR, SPEC, chat_prompt, make_real_model
 from tools.real_text import LOGPROB_ATOL, agreement, document
-from tools.vllm_run import VLLM_CACHE_ROOT
+from tools.vllm_run import COMPILE_CACHE_ENV, VLLM_CACHE_ROOT
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = REPO_ROOT / ".venv" / "bin" / "activekv"
@@ -170,6 +170,7 @@ def serve_and_load(kind: str, model: Path, load: list[Request], waves: int, gap_
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.update(HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"),
                PYTHONUNBUFFERED="1", VLLM_CACHE_ROOT=env.get("VLLM_CACHE_ROOT", str(VLLM_CACHE_ROOT)))
+    env.update({k: env.get(k, v) for k, v in COMPILE_CACHE_ENV.items()})
     if kind == "stock":
         cmd = [*VLLM_CLI, *args, "--attention-backend", "CPU_ATTN"]
         site = Path(sysconfig.get_paths()["purelib"])
