@@ -4,7 +4,8 @@ vLLM's own KV offloading shipped, each with a test that would catch it.
 Skipped without CUDA (CI has none). Run on the device machine with `make gpu-check` (README, "GPU"), which builds the
 engine there from a clean tree, runs this file and the GPU benchmark.
 
-Two placements of the host tier (docs/design.md, "GPU path"):
+Placements of the host tier (docs/design.md, "GPU path"):
+- in place: the host tier (kv_cache) is device memory and attention reads it there (no pool);
 - resident: the host tier (kv_cache) is device memory, the pool is device memory;
 - tiered: the host tier is pinned CPU memory, the pool is device memory; admissions go through transfer.h's
   copy_blocks_mapped (a device gather kernel reading pinned host memory, on a copy stream) or copy_blocks_staged
@@ -19,7 +20,7 @@ import random
 import pytest
 import torch
 
-from tools.parity_cells import Cell, compressed_cells, exact_cells, run_cell
+from tools.parity_cells import Cell, compressed_cells, exact_cells, in_place_cells, run_cell
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with make gpu-check)")
 
@@ -43,6 +44,7 @@ def _representative(cells: list[Cell], count: int, seed: int) -> list[Cell]:
 
 EXACT = _representative(exact_cells(), 24, seed=1)
 COMPRESSED = _representative(compressed_cells(), 24, seed=2)
+IN_PLACE = random.Random(3).sample(in_place_cells(), 12)
 
 
 @pytest.mark.parametrize("placement", ["resident", "tiered-mapped", "tiered-staged"])
@@ -58,6 +60,14 @@ def test_gpu_parity(cell: Cell, placement: str) -> None:
         assert snap["bytes_d2h"] > 0  # KV updates wrote the pinned host tier from device tensors
     else:
         assert snap["bytes_d2h"] == 0
+
+
+@pytest.mark.parametrize("cell", IN_PLACE, ids=lambda c: c.id)
+def test_gpu_in_place_parity(cell: Cell) -> None:
+    """Placement in place on CUDA (the host tier on the device, no pool): the ATen path == the reference, bit for
+    bit."""
+    snap = run_cell(cell, device="cuda")
+    assert snap["blocks_in_place"] > 0 and snap["blocks_admitted"] == 0 and snap["bytes_h2d"] == 0
 
 
 def test_gpu_cells_cover_every_axis() -> None:
@@ -159,6 +169,26 @@ def test_one_host_to_device_copy_per_batch_not_per_block(transfer: str) -> None:
     assert counts[32][0] < counts[4][0]  # fewer, larger copies when tiles hold more blocks
 
 
+@pytest.mark.parametrize("where", ["pinned", "pageable"])
+def test_in_place_on_cuda_needs_the_kv_cache_on_the_device(where: str) -> None:
+    import activekv._backend as backend
+
+    eng = backend.Engine(1, 8, 2, 128, 16, torch.float32, 0, 4, device=torch.device("cuda"), placement="in_place")
+    kv = torch.zeros((8, 2, 16, 256), dtype=torch.float32)
+    if where == "pinned":
+        kv = kv.pin_memory()
+    match = "placement 'in_place' reads blocks where they are: kv_cache must be on cuda:0, got cpu" if \
+        where == "pinned" else "pinned memory"  # pageable host memory is refused before placement is looked at
+    with pytest.raises(ValueError, match=match):
+        eng.update_kv(0, torch.zeros(1, 2, 128, device="cuda"), torch.zeros(1, 2, 128, device="cuda"), kv,
+                      torch.zeros(1, dtype=torch.int64, device="cuda"))
+    plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                     torch.zeros(1, 1, dtype=torch.int32), 1, 1)
+    q = torch.zeros(1, 8, 128, device="cuda")
+    with pytest.raises(ValueError, match=match):
+        eng.forward(0, plan, q, kv, torch.empty_like(q), 1.0)
+
+
 def test_tiered_host_tier_must_be_pinned() -> None:
     eng, _ = _engine(pool_blocks=8, tile_blocks=4, num_blocks=8)
     pageable = torch.zeros((8, 2, 16, 256), dtype=torch.float32)
@@ -197,11 +227,11 @@ def test_tiered_copies_match_plain_copy_and_check_their_input(fn: str, dtype: to
 # The kernel's float32 math differs from the ATen tile path in summation order and exp, so it is held to a tolerance
 # (docs/parity.md): max |native - aten| <= TOL * max(1, |aten|) elementwise, on outputs in the query dtype.
 CUDA_KERNEL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-KERNEL_CELLS = [c for c in EXACT + COMPRESSED if c.head_size in (64, 128)]
+KERNEL_CELLS = [c for c in EXACT + COMPRESSED + IN_PLACE if c.head_size in (64, 128)]
 
 
 def _replay(cell: Cell, kernel: str) -> list[torch.Tensor]:
-    """The cell's steps on one CUDA engine (resident host tier); every forward's output, in order."""
+    """The cell's steps on one CUDA engine (host tier on the device); every forward's output, in order."""
     import activekv._backend as backend
     from tools.parity_cells import NUM_LAYERS, host_blocks_for, make_steps
 

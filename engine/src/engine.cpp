@@ -82,8 +82,8 @@ namespace {
 // The placement's checks, before the KV state allocates a pool.
 const EngineConfig& checked_placement(const EngineConfig& c, at::Device device) {
   if (c.placement == Placement::kInPlace) {
-    AKV_CHECK_VALUE(device.is_cpu(), "placement 'in_place' needs the CPU (the host tier and the attention on one "
-                    "memory), got device ", device, "; use placement 'pool'");
+    AKV_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "placement 'in_place' needs the CPU or a CUDA device (the "
+                    "host tier and the attention on one memory), got device ", device, "; use placement 'pool'");
     AKV_CHECK_VALUE(c.pool_blocks == 0, "placement 'in_place' has no pool: pool_blocks must be 0, got ",
                     c.pool_blocks);
   } else {
@@ -186,6 +186,12 @@ Engine::HostBinding Engine::host_binding(int64_t layer, const at::Tensor& kv_cac
   return kv_cache.defined() && host.data_ptr() == kv_cache.data_ptr() ? HostBinding::kThis : HostBinding::kOther;
 }
 
+void Engine::check_in_place_host(const at::Tensor& host) const {
+  AKV_CHECK_VALUE(!in_place() || host.device() == device_, "placement 'in_place' reads blocks where they are: "
+                  "kv_cache must be on ", device_, ", got ", host.device(), host.is_pinned() ? " (pinned)" : "",
+                  "; use placement 'pool' for a host tier in host memory");
+}
+
 void Engine::check_layer(int64_t layer) const {
   AKV_CHECK_INDEX(layer >= 0 && layer < geometry().num_layers, "layer must be in [0, ", geometry().num_layers,
                   "), got ", layer);
@@ -214,6 +220,7 @@ void Engine::update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& v
                        const at::Tensor& slot_mapping) {
   check_layer(layer);
   auto host = kv_.host_view(kv_cache);
+  check_in_place_host(host);
   check_writable(kv_cache, "kv_cache");
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"key", &key}, {"value", &value}})
     AKV_CHECK_VALUE(!t->defined() || !t->requires_grad(), name, " must not require grad");
@@ -245,6 +252,7 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   AKV_CHECK_VALUE(output.device() == device_, "output must be on ", device_, ", got ", output.device());
   AKV_CHECK_VALUE(std::isfinite(scale), "scale must be a finite number, got ", scale);
   auto host = kv_.host_view(kv_cache);
+  check_in_place_host(host);
   check_writable(output, "output");
   check_writable(kv_cache, "kv_cache");
   check_has_data(query, "query");
