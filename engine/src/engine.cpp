@@ -210,6 +210,7 @@ StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_
     p.rounds_threads = at::get_num_threads();
     p.rounds = plan_rounds(p, units, p.rounds_pool, geometry().num_kv_heads, p.rounds_threads);
   }
+  path_->plan_batch(p);
   telemetry_.add(Counter::kBuildCalls);
   telemetry_.add(Counter::kRequestRows, num_reqs);
   p.build_id = telemetry_.get(Counter::kBuildCalls);
@@ -273,47 +274,66 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   const auto selections = plan.selecting
                               ? select_rows(plan, L, query, selection_, path_->native_scores(), telemetry_)
                               : std::vector<RowSelection>();
-  // The step's units: exact tiles from the plan, a selecting row's union from this layer's selection.
-  std::vector<UnitBlocks> units(plan.num_units());
-  for (int64_t u = 0; u < plan.num_units(); ++u) {
-    const auto i = static_cast<size_t>(plan.unit_row[u]);
-    units[u] = plan.rows[i].selects ? UnitBlocks{selections[i].union_blocks.data(),
-                                                 static_cast<int64_t>(selections[i].union_blocks.size())}
-                                    : exact_unit(plan, g, u);
-  }
-  // Rounds: one unit each, or for a batching path the plan's (made at build when no unit depends on the layer).
-  std::vector<UnitRound> own;
-  const std::vector<UnitRound>* rounds = &plan.rounds;
-  if (!path_->batches_units()) {
-    own.resize(units.size());
-    for (size_t u = 0; u < units.size(); ++u) own[u].end = static_cast<int64_t>(u) + 1;
-    rounds = &own;
-  } else if (plan.selecting || plan.rounds_pool != round_capacity() ||
-             plan.rounds_threads != at::get_num_threads()) {
-    own = plan_rounds(plan, units, round_capacity(), g.num_kv_heads, at::get_num_threads());
-    rounds = &own;
-  }
-  // The admission loop: a round's units admitted (pinned) in order, computed together, then released in order. In
-  // place, a unit's "slots" are its block ids in the host tier, which the path reads as it reads a pool (the same
-  // [blocks, num_kv_heads, 2, block_size, head_size] layout): nothing is admitted, pinned or copied.
   const auto out3 = output.view({output.size(0), h, d});
-  const LayerStep step{plan, L, in_place() ? host : L.pool, query, out3, scale, selections};
-  path_->begin(step);
-  std::vector<AdmittedUnit> admitted;
-  int64_t begin = 0;
-  for (const auto& round : *rounds) {
-    TilePins pins{L, {}};
-    admitted.clear();
-    for (int64_t u = begin; u < round.end; ++u) {
-      if (in_place()) {
-        admitted.push_back({u, std::vector<int64_t>(units[u].ids, units[u].ids + units[u].n)});
-        telemetry_.add(Counter::kBlocksInPlace, units[u].n);
-      } else {
-        admitted.push_back({u, admit_unit(L, host, units[u], pins.slots)});
-      }
+  LayerStep step{plan, L, in_place() ? host : L.pool, query, out3, scale, selections};
+  // The decode batch (StepPlan::batch): its rows in one launch when every block they read is on the device: in place,
+  // or all resident in the pool (touched as admitting them would, no copy; the kernel finds their slots in the page
+  // table on the device). Launched before any admission of the other rows, so a slot those evict is overwritten on
+  // the stream only after the launch has read it. Otherwise its rows are admitted with the others.
+  if (!plan.batch.empty() && path_->batch_fits(step)) {
+    if (in_place()) {
+      step.batch = true;
+      telemetry_.add(Counter::kBlocksInPlace, static_cast<int64_t>(plan.batch.blocks.size()));
+    } else if (touch_resident(L, plan.batch.blocks, clock_)) {
+      step.batch = true;
+      step.page = kv_.device_page(layer);
+      telemetry_.add(Counter::kBlocksHit, static_cast<int64_t>(plan.batch.blocks.size()));
     }
-    path_->attend(step, admitted, round.heads_per_task);
-    begin = round.end;
+  }
+  path_->begin(step);
+  if (step.batch) path_->attend_batch(step);
+  // The other rows (every row, without the batch): their units admitted round by round.
+  if (!step.batch || plan.batch.rows.size() < plan.rows.size()) {
+    // The step's units: exact tiles from the plan, a selecting row's union from this layer's selection.
+    std::vector<UnitBlocks> units(plan.num_units());
+    for (int64_t u = 0; u < plan.num_units(); ++u) {
+      const auto i = static_cast<size_t>(plan.unit_row[u]);
+      units[u] = plan.rows[i].selects ? UnitBlocks{selections[i].union_blocks.data(),
+                                                   static_cast<int64_t>(selections[i].union_blocks.size())}
+                                      : exact_unit(plan, g, u);
+    }
+    // Rounds: one unit each, or for a batching path the plan's (made at build when no unit depends on the layer).
+    std::vector<UnitRound> own;
+    const std::vector<UnitRound>* rounds = &plan.rounds;
+    if (!path_->batches_units()) {
+      own.resize(units.size());
+      for (size_t u = 0; u < units.size(); ++u) own[u].end = static_cast<int64_t>(u) + 1;
+      rounds = &own;
+    } else if (plan.selecting || plan.rounds_pool != round_capacity() ||
+               plan.rounds_threads != at::get_num_threads()) {
+      own = plan_rounds(plan, units, round_capacity(), g.num_kv_heads, at::get_num_threads());
+      rounds = &own;
+    }
+    // The admission loop: a round's units admitted (pinned) in order, computed together, then released in order. In
+    // place, a unit's "slots" are its block ids in the host tier, which the path reads as it reads a pool (the same
+    // [blocks, num_kv_heads, 2, block_size, head_size] layout): nothing is admitted, pinned or copied.
+    std::vector<AdmittedUnit> admitted;
+    int64_t begin = 0;
+    for (const auto& round : *rounds) {
+      TilePins pins{L, {}};
+      admitted.clear();
+      for (int64_t u = begin; u < round.end; ++u) {
+        if (step.batch && plan.batch.member[plan.unit_row[u]]) continue;
+        if (in_place()) {
+          admitted.push_back({u, std::vector<int64_t>(units[u].ids, units[u].ids + units[u].n)});
+          telemetry_.add(Counter::kBlocksInPlace, units[u].n);
+        } else {
+          admitted.push_back({u, admit_unit(L, host, units[u], pins.slots)});
+        }
+      }
+      if (!admitted.empty()) path_->attend(step, admitted, round.heads_per_task);
+      begin = round.end;
+    }
   }
   path_->finish(step);
   const int64_t admitted_blocks = telemetry_.get(Counter::kBlocksAdmitted) - admitted_before;

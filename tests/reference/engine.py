@@ -34,6 +34,7 @@ COUNTERS = (
     "planned_blocks",
     "planned_tiles",
     "blocks_in_place",
+    "decode_batch_rows",  # the CUDA decode batch (the native kernel's); the ATen path the reference mirrors: always 0
 )
 
 

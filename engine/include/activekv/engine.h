@@ -141,7 +141,8 @@ class Engine {
                  const at::Tensor& slot_mapping);
 
   /// Attention of one layer for a planned step, written into `output`. The plan's block ids are checked against
-  /// kv_cache's block count (one comparison: check_plan_blocks) before anything changes.
+  /// kv_cache's block count (one comparison: check_plan_blocks) before anything changes. On CUDA the plan's exact
+  /// decode rows take one launch (StepPlan::batch) where every block they read is on the device.
   /// @param query [>= num_actual_tokens, num_heads, head_size], geometry dtype
   /// @param output [>= num_actual_tokens, num_heads, head_size] (or [.., num_heads * head_size]), query dtype;
   ///        rows of real tokens are overwritten, padding rows untouched
