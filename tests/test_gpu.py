@@ -1,10 +1,12 @@
-"""GPU path (CUDA): parity of the engine's ATen path with the reference on CUDA tensors, and the transfer faults that
-vLLM's own KV offloading shipped, each with a test that would catch it.
+"""GPU path (CUDA): parity of the engine's ATen path with the reference on CUDA tensors, the transfer faults that
+vLLM's own KV offloading shipped, each with a test that would catch it, and the CUDA kernels (per tile, and the decode
+batch: a step's exact decode rows in one launch) against the ATen path and float64 attention.
 
 Skipped without CUDA (CI has none). Run on the device machine with `make gpu-check` (README, "GPU"), which builds the
 engine there from a clean tree, runs this file and the GPU benchmark.
 
-Two placements of the host tier (docs/design.md, "GPU path"):
+Placements of the host tier (docs/design.md, "GPU path"):
+- in place: the host tier (kv_cache) is device memory and attention reads it there (no pool);
 - resident: the host tier (kv_cache) is device memory, the pool is device memory;
 - tiered: the host tier is pinned CPU memory, the pool is device memory; admissions go through transfer.h's
   copy_blocks_mapped (a device gather kernel reading pinned host memory, on a copy stream) or copy_blocks_staged
@@ -19,7 +21,7 @@ import random
 import pytest
 import torch
 
-from tools.parity_cells import Cell, compressed_cells, exact_cells, run_cell
+from tools.parity_cells import Cell, compressed_cells, exact_cells, in_place_cells, run_cell
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run with make gpu-check)")
 
@@ -43,6 +45,7 @@ def _representative(cells: list[Cell], count: int, seed: int) -> list[Cell]:
 
 EXACT = _representative(exact_cells(), 24, seed=1)
 COMPRESSED = _representative(compressed_cells(), 24, seed=2)
+IN_PLACE = random.Random(3).sample(in_place_cells(), 12)
 
 
 @pytest.mark.parametrize("placement", ["resident", "tiered-mapped", "tiered-staged"])
@@ -58,6 +61,14 @@ def test_gpu_parity(cell: Cell, placement: str) -> None:
         assert snap["bytes_d2h"] > 0  # KV updates wrote the pinned host tier from device tensors
     else:
         assert snap["bytes_d2h"] == 0
+
+
+@pytest.mark.parametrize("cell", IN_PLACE, ids=lambda c: c.id)
+def test_gpu_in_place_parity(cell: Cell) -> None:
+    """Placement in place on CUDA (the host tier on the device, no pool): the ATen path == the reference, bit for
+    bit."""
+    snap = run_cell(cell, device="cuda")
+    assert snap["blocks_in_place"] > 0 and snap["blocks_admitted"] == 0 and snap["bytes_h2d"] == 0
 
 
 def test_gpu_cells_cover_every_axis() -> None:
@@ -159,6 +170,26 @@ def test_one_host_to_device_copy_per_batch_not_per_block(transfer: str) -> None:
     assert counts[32][0] < counts[4][0]  # fewer, larger copies when tiles hold more blocks
 
 
+@pytest.mark.parametrize("where", ["pinned", "pageable"])
+def test_in_place_on_cuda_needs_the_kv_cache_on_the_device(where: str) -> None:
+    import activekv._backend as backend
+
+    eng = backend.Engine(1, 8, 2, 128, 16, torch.float32, 0, 4, device=torch.device("cuda"), placement="in_place")
+    kv = torch.zeros((8, 2, 16, 256), dtype=torch.float32)
+    if where == "pinned":
+        kv = kv.pin_memory()
+    match = "placement 'in_place' reads blocks where they are: kv_cache must be on cuda:0, got cpu" if \
+        where == "pinned" else "pinned memory"  # pageable host memory is refused before placement is looked at
+    with pytest.raises(ValueError, match=match):
+        eng.update_kv(0, torch.zeros(1, 2, 128, device="cuda"), torch.zeros(1, 2, 128, device="cuda"), kv,
+                      torch.zeros(1, dtype=torch.int64, device="cuda"))
+    plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                     torch.zeros(1, 1, dtype=torch.int32), 1, 1)
+    q = torch.zeros(1, 8, 128, device="cuda")
+    with pytest.raises(ValueError, match=match):
+        eng.forward(0, plan, q, kv, torch.empty_like(q), 1.0)
+
+
 def test_tiered_host_tier_must_be_pinned() -> None:
     eng, _ = _engine(pool_blocks=8, tile_blocks=4, num_blocks=8)
     pageable = torch.zeros((8, 2, 16, 256), dtype=torch.float32)
@@ -197,11 +228,12 @@ def test_tiered_copies_match_plain_copy_and_check_their_input(fn: str, dtype: to
 # The kernel's float32 math differs from the ATen tile path in summation order and exp, so it is held to a tolerance
 # (docs/parity.md): max |native - aten| <= TOL * max(1, |aten|) elementwise, on outputs in the query dtype.
 CUDA_KERNEL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
-KERNEL_CELLS = [c for c in EXACT + COMPRESSED if c.head_size in (64, 128)]
+KERNEL_CELLS = [c for c in EXACT + COMPRESSED + IN_PLACE if c.head_size in (64, 128)]
 
 
-def _replay(cell: Cell, kernel: str) -> list[torch.Tensor]:
-    """The cell's steps on one CUDA engine (resident host tier); every forward's output, in order."""
+def _replay(cell: Cell, kernel: str, snapshot: dict | None = None) -> list[torch.Tensor]:
+    """The cell's steps on one CUDA engine (host tier on the device); every forward's output, in order. `snapshot`, if
+    given, receives the engine's telemetry snapshot at the end."""
     import activekv._backend as backend
     from tools.parity_cells import NUM_LAYERS, host_blocks_for, make_steps
 
@@ -219,19 +251,247 @@ def _replay(cell: Cell, kernel: str) -> list[torch.Tensor]:
             out = torch.full_like(q, 7.0)
             eng.forward(layer, plan, q, caches[layer], out, cell.head_size ** -0.5)
             outs.append(out)
+    if snapshot is not None:
+        snapshot.update(eng.snapshot())
     return outs
+
+
+def _batch_taken(cell: Cell) -> bool:
+    """Whether some decode step of the cell goes through the decode batch kernel (cuda_kernel.h cuda_batch_supports):
+    a 16-bit dtype, the blocks on the device (in place, or a pool that holds the contexts), and a decode row that does
+    not select (every exact row; in compressed mode one whose context fits the budget)."""
+    from tools.parity_cells import BUDGET_BLOCKS
+
+    exact_row = cell.mode == "exact" or -(-(min(cell.prompt_lens()) + 1) // cell.block_size) <= BUDGET_BLOCKS
+    return cell.dtype != torch.float32 and (cell.placement == "in_place" or not cell.streaming) and exact_row
 
 
 @pytest.mark.parametrize("cell", KERNEL_CELLS, ids=lambda c: c.id)
 def test_cuda_kernel_within_tolerance_of_aten_path_and_repeatable(cell: Cell) -> None:
     aten = _replay(cell, "aten")
-    native = _replay(cell, "native")
+    snap: dict = {}
+    native = _replay(cell, "native", snap)
     again = _replay(cell, "native")
     tol = CUDA_KERNEL_TOL[cell.dtype]
     for i, (a, n, n2) in enumerate(zip(aten, native, again)):
         assert torch.equal(n, n2), f"forward {i}: the CUDA kernel is not repeatable"
         err = ((n.float() - a.float()).abs() / a.float().abs().clamp_min(1.0)).max().item()
         assert err <= tol, f"forward {i}: {err:.3g} > {tol}"
+    if _batch_taken(cell):
+        assert snap["decode_batch_rows"] > 0
+    elif cell.dtype == torch.float32:  # the batch kernel takes 16-bit KV only
+        assert snap["decode_batch_rows"] == 0
+
+
+def test_kernel_cells_take_the_decode_batch_in_place_and_from_the_pool() -> None:
+    taken = [c for c in KERNEL_CELLS if _batch_taken(c)]
+    assert {c.placement for c in taken} == {"in_place", "pool"}
+    assert {c.dtype for c in taken} == {torch.bfloat16, torch.float16}
+
+
+# ---- the decode batch: one launch per layer for every exact decode row of a step ----------------------------------
+
+H, KVH, D, BS = 32, 8, 128, 16
+
+
+def _batch_engine(placement: str, pool_blocks: int = 0, kernel: str = "native", dtype=torch.bfloat16, d: int = D,
+                  heads: int = H, bs: int = BS, layers: int = 1):
+    import activekv._backend as backend
+
+    return backend.Engine(layers, heads, KVH, d, bs, dtype, pool_blocks, 16, device=torch.device("cuda"),
+                          placement=placement, kernel=kernel)
+
+
+def _filled_cache(blocks: int, seqs: dict[int, tuple[list[int], int]], dtype=torch.bfloat16, d: int = D,
+                  bs: int = BS, seed: int = 0) -> torch.Tensor:
+    """A KV cache [blocks, KVH, 2, bs, d] of random values in vLLM's per-layer view, with NaN in every slot past each
+    row's context (unwritten slots may hold anything; none may reach an output)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    kv = torch.randn((blocks, KVH, 2, bs, d), generator=g, device="cuda").to(dtype)
+    for table, seq in seqs.values():
+        last = table[(seq - 1) // bs]
+        kv[last, :, :, (seq - 1) % bs + 1:] = float("nan")
+    return kv.view(blocks, KVH, bs, 2 * d)
+
+
+def _attention64(q: torch.Tensor, kv: torch.Tensor, table: list[int], seq: int, lq: int) -> torch.Tensor:
+    """float64 causal attention of a row's lq query tokens [lq, H', d] (the last lq positions of seq) over its
+    blocks."""
+    blocks = kv.shape[0]
+    d = q.shape[-1]
+    bs = kv.shape[2]
+    kv5 = kv.view(blocks, KVH, 2, bs, d)[table].double()  # [nb, KVH, 2, bs, d]
+    k = kv5[:, :, 0].permute(1, 0, 2, 3).reshape(KVH, -1, d)[:, :seq]
+    v = kv5[:, :, 1].permute(1, 0, 2, 3).reshape(KVH, -1, d)[:, :seq]
+    g = q.shape[1] // KVH
+    k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [H', seq, d]
+    s = torch.einsum("thd,hkd->htk", q.double(), k) * d ** -0.5
+    pos = torch.arange(seq, device=q.device)
+    s = s.masked_fill(pos.view(1, 1, -1) > (seq - lq + torch.arange(lq, device=q.device)).view(1, -1, 1),
+                      float("-inf"))
+    return torch.einsum("htk,hkd->thd", s.softmax(-1), v)
+
+
+# A mixed step: long and short decode rows, unaligned and aligned contexts, and a prefill chunk (which the batch does
+# not take) between them; block ids scattered as vLLM's allocator hands them out.
+MIXED = [(5003, 1), (300, 7), (17, 1), (1024, 1), (2049, 1)]
+
+
+def _mixed_step(seed: int = 0, bs: int = BS):
+    rng = random.Random(seed)
+    need = [-(-seq // bs) for seq, _ in MIXED]
+    ids = list(range(sum(need) + 8))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n])
+        at += n
+    width = max(need)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    qsl = [0]
+    for _, lq in MIXED:
+        qsl.append(qsl[-1] + lq)
+    return (torch.tensor(qsl, dtype=torch.int32), torch.tensor([s for s, _ in MIXED], dtype=torch.int32), table,
+            len(ids), {i: (tables[i], seq) for i, (seq, _) in enumerate(MIXED)})
+
+
+@pytest.mark.parametrize("placement", ["in_place", "pool"])
+@pytest.mark.parametrize("dtype,d,heads,bs", [(torch.bfloat16, 128, 32, 16), (torch.float16, 64, 16, 32),
+                                              (torch.bfloat16, 256, 64, 16), (torch.bfloat16, 128, 8, 16)])
+def test_decode_batch_matches_float64_attention_and_the_aten_path(placement: str, dtype, d: int, heads: int,
+                                                                   bs: int) -> None:
+    """Every exact decode row of a mixed step in one launch (in place, or from a pool that holds them), NaN in every
+    unwritten slot: within the CUDA kernel's tolerance of the ATen path and of float64 attention, the prefill row's
+    output as the per-tile path gives it, and bit-identical when repeated."""
+    qsl, seqs, table, blocks, rows = _mixed_step(bs=bs)
+    kv = _filled_cache(blocks, rows, dtype, d, bs)
+    torch.manual_seed(1)
+    tokens = int(qsl[-1])
+    q = torch.randn(tokens + 3, heads, d, device="cuda").to(dtype)  # 3 padding tokens past the real ones
+    outs, snaps = {}, {}
+    for kernel in ("native", "aten"):
+        pool = 0 if placement == "in_place" else blocks
+        eng = _batch_engine(placement, pool, kernel, dtype, d, heads, bs)
+        plan = eng.build(qsl, seqs, table, len(MIXED), tokens + 3)
+        runs = []
+        for _ in range(3 if placement == "pool" else 2):  # the pool's first forward admits; then all is resident
+            out = torch.full_like(q, 7.0)
+            eng.forward(0, plan, q, kv, out, d ** -0.5)
+            runs.append(out)
+        outs[kernel], snaps[kernel] = runs, eng.snapshot()
+    native, aten = outs["native"][-1], outs["aten"][-1]
+    assert torch.equal(native, outs["native"][-2]), "the decode batch is not repeatable"
+    assert torch.equal(native[tokens:], q[tokens:].new_full((3, heads, d), 7.0)), "padding rows were written"
+    tol = CUDA_KERNEL_TOL[dtype]
+    err = ((native[:tokens].float() - aten[:tokens].float()).abs() / aten[:tokens].float().abs().clamp_min(1.0)).max()
+    assert err.item() <= tol, err.item()
+    for i, (seq, lq) in enumerate(MIXED):
+        q0 = int(qsl[i])
+        want = _attention64(q[q0:q0 + lq], kv, rows[i][0], seq, lq)
+        got = native[q0:q0 + lq].double()
+        assert ((got - want).abs() / want.abs().clamp_min(1.0)).max().item() <= tol, i
+    n = snaps["native"]
+    decode_rows = sum(1 for _, lq in MIXED if lq == 1)
+    forwards = n["forward_calls"]
+    taken = forwards if placement == "in_place" else forwards - 1  # the pool's first forward admitted the blocks
+    assert n["decode_batch_rows"] == decode_rows * taken
+    assert snaps["aten"]["decode_batch_rows"] == 0
+    # The same counters as the ATen path: every block read once per forward, tiles as planned.
+    for name in ("tiles_computed", "blocks_in_place", "blocks_hit", "blocks_admitted", "blocks_evicted"):
+        assert n[name] == snaps["aten"][name], name
+
+
+def test_decode_batch_is_one_launch_per_layer() -> None:
+    """Two kernels per layer for the whole batch (split and merge), no per-row launch or copy."""
+    from torch.profiler import ProfilerActivity, profile
+
+    qsl, seqs, table, blocks, rows = _mixed_step()
+    decode = [i for i, (_, lq) in enumerate(MIXED) if lq == 1]
+    # Only the decode rows: one query token each.
+    qsl = torch.arange(len(decode) + 1, dtype=torch.int32)
+    seqs, table = seqs[decode], table[decode]
+    kv = _filled_cache(blocks, {i: rows[r] for i, r in enumerate(decode)})
+    eng = _batch_engine("in_place", layers=3)
+    plan = eng.build(qsl, seqs, table, len(decode), len(decode))
+    q = torch.randn(len(decode), H, D, device="cuda").to(torch.bfloat16)
+    out = torch.empty_like(q)
+    caches = [kv.clone() for _ in range(3)]
+    for layer in range(3):  # warm-up: each layer binds its KV cache (key metadata allocated) at its first call
+        eng.forward(layer, plan, q, caches[layer], out, D ** -0.5)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for layer in range(3):
+            eng.forward(layer, plan, q, caches[layer], out, D ** -0.5)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = [e.name.split("<")[0] for e in kernels]  # "void activekv::(anonymous namespace)::batch_split_kernel"
+    assert sum("batch_split_kernel" in n for n in names) == 3, names
+    assert sum("batch_merge_kernel" in n for n in names) == 3, names
+    assert len(names) == 6, names  # nothing else: no copies, no per-row work
+
+
+def test_decode_batch_reads_the_pool_through_its_page_table_after_evictions() -> None:
+    """A pool that streamed another context (evicting, slots reused out of block order), then holds this step's blocks:
+    the batch finds each block's slot in the page table on the device, brought up to date whole, then (a row grown
+    into one new block) by its changed entries."""
+    rng = random.Random(7)
+    blocks = 600
+    ids = list(range(blocks))
+    rng.shuffle(ids)
+    seqs = [1000, 333, 2049]
+    tables, at = [], 0
+    for seq in seqs:
+        tables.append(ids[at:at + -(-seq // BS)])
+        at += len(tables[-1])
+    spare = ids[at]
+    kv = _filled_cache(blocks, {})
+    eng = _batch_engine("pool", pool_blocks=at + 8)
+    q = torch.randn(len(seqs), H, D, device="cuda").to(torch.bfloat16)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+
+    def plan_of(seq_list, table_list):
+        width = max(len(t) for t in table_list)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in table_list], dtype=torch.int32)
+        return eng.build(torch.arange(len(seq_list) + 1, dtype=torch.int32), torch.tensor(seq_list, dtype=torch.int32),
+                         table, len(seq_list), len(seq_list))
+
+    def check(out, seq_list, table_list):
+        for i, (seq, table) in enumerate(zip(seq_list, table_list)):
+            want = _attention64(q[i:i + 1], kv, table, seq, 1)
+            err = ((out[i:i + 1].double() - want).abs() / want.abs().clamp_min(1.0)).max().item()
+            assert err <= CUDA_KERNEL_TOL[torch.bfloat16], (i, err)
+
+    # Another context over every block, in reverse: the pool fills and evicts.
+    other = eng.build(one, torch.tensor([blocks * BS], dtype=torch.int32),
+                      torch.arange(blocks - 1, -1, -1, dtype=torch.int32).view(1, -1), 1, 1)
+    eng.forward(0, other, q[:1], kv, torch.empty_like(q[:1]), D ** -0.5)
+    assert eng.snapshot()["blocks_evicted"] > 0
+    plan = plan_of(seqs, tables)
+    outs = []
+    for _ in range(3):  # admits the missing blocks, then the batch twice
+        out = torch.full_like(q, 7.0)
+        eng.forward(0, plan, q, kv, out, D ** -0.5)
+        outs.append(out)
+    assert eng.snapshot()["decode_batch_rows"] == 2 * len(seqs)
+    assert torch.equal(outs[1], outs[2])
+    check(outs[2], seqs, tables)
+    # Row 0 grows into a new block: admitted (one eviction), then the batch again with two changed page entries.
+    seqs2 = [seqs[0] + (BS - seqs[0] % BS) + 2] + seqs[1:]
+    tables2 = [tables[0] + [spare]] + tables[1:]
+    plan2 = plan_of(seqs2, tables2)
+    for _ in range(2):
+        out = torch.full_like(q, 7.0)
+        eng.forward(0, plan2, q, kv, out, D ** -0.5)
+    snap = eng.snapshot()
+    assert snap["decode_batch_rows"] == 3 * len(seqs)
+    check(out, seqs2, tables2)
+
+
+@pytest.mark.parametrize("split", ["1", "7", "64"])
+def test_decode_batch_any_split_is_within_tolerance(split: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ACTIVEKV_CUDA_SPLIT (sub-tiles per work item) changes only the order of the additions."""
+    monkeypatch.setenv("ACTIVEKV_CUDA_SPLIT", split)
+    test_decode_batch_matches_float64_attention_and_the_aten_path("in_place", torch.bfloat16, 128, 32, 16)
 
 
 def test_cuda_kernel_runs() -> None:
@@ -246,4 +506,4 @@ def test_cuda_kernel_runs() -> None:
             torch.cuda.synchronize()
         names[kernel] = " ".join(e.key for e in prof.key_averages())
     assert "split_kernel" in names["native"] and "merge_kernel" in names["native"]
-    assert "split_kernel" not in names["aten"]
+    assert "split_kernel" not in names["aten"] and "batch_split_kernel" not in names["aten"]

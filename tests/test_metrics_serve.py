@@ -79,7 +79,7 @@ def test_metrics_follow_prometheus_conventions(server: dict) -> None:
     text, values = scrape(server)
     types = dict(re.findall(r"^# TYPE (activekv_\S+) (\S+)$", text, re.M))
     counters = [n for n, t in types.items() if t == "counter"]
-    assert len(counters) == 22 and all(n.endswith("_total") for n in counters)
+    assert len(counters) == 23 and all(n.endswith("_total") for n in counters)
     assert types["activekv_forward_latency_seconds"] == "histogram"
     assert types["activekv_blocks_admitted_per_forward"] == "histogram"
     gauges = ("activekv_engines", "activekv_layers", "activekv_mode", "activekv_pool_resident_blocks",

@@ -53,8 +53,8 @@ void register_engine(py::module_& m) {
            "pool's device; on CUDA each layer's kv_cache is device memory (resident) or pinned CPU memory (tiered), "
            "and transfer picks how a tiered engine admits blocks: 'mapped' (a device gather reading pinned host "
            "memory) or 'staged' (CPU gather into pinned staging, one host-to-device copy). placement 'pool' (blocks "
-           "admitted into the active pool, copied on a miss) or 'in_place' (CPU only, pool_blocks 0: blocks read where "
-           "they are in each layer's kv_cache, nothing admitted or copied).")
+           "admitted into the active pool, copied on a miss) or 'in_place' (pool_blocks 0: blocks read where they are in "
+           "each layer's kv_cache, nothing admitted or copied; on CUDA the kv_cache must be device memory).")
       .def(
           "build",
           [](const std::shared_ptr<Engine>& e, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,

@@ -26,15 +26,15 @@ at::Device indexed(at::Device device) {
   return c10::impl::VirtualGuardImpl(device.type()).getDevice();
 }
 
-// Whether a live engine on `device` serves layer `name` and has not bound its host tier yet: the engine of the model
-// runner whose KV cache is being allocated (vLLM creates the metadata builders, hence the engines, before it allocates
-// the KV cache, vllm/v1/worker/gpu_model_runner.py initialize_kv_cache; an engine binds its host tier at its first KV
-// update or forward, so an older engine that has run is never taken for this one).
-bool served_here(EnginesForLayer engines_for_layer, const std::string& name, at::Device device) {
+// The live engine on `device` that serves layer `name` and has not bound its host tier yet, or null: the engine of the
+// model runner whose KV cache is being allocated (vLLM creates the metadata builders, hence the engines, before it
+// allocates the KV cache, vllm/v1/worker/gpu_model_runner.py initialize_kv_cache; an engine binds its host tier at its
+// first KV update or forward, so an older engine that has run is never taken for this one).
+std::shared_ptr<Engine> served_here(EnginesForLayer engines_for_layer, const std::string& name, at::Device device) {
   for (const auto& e : engines_for_layer(name))
     if (e->device() == device && e->host_binding(e->layer_index(name), at::Tensor()) == Engine::HostBinding::kUnbound)
-      return true;
-  return false;
+      return e;
+  return nullptr;
 }
 
 }  // namespace
@@ -48,6 +48,8 @@ void define_host_tier(py::module_& m, EnginesForLayer engines_for_layer) {
         TORCH_CHECK_TYPE(py::hasattr(kv_cache_config, "kv_cache_tensors"),
                          "kv_cache_config.kv_cache_tensors is missing (expected vLLM's KVCacheConfig), got a ",
                          std::string(py::str(py::type::of(kv_cache_config))));
+        // served: layers of engines with a pool (their KV cache is the host tier, in pinned host memory); other:
+        // layers of another backend, or of an engine that attends in place (its KV cache stays on the device).
         std::vector<std::string> served, other;
         for (py::handle tensor : kv_cache_config.attr("kv_cache_tensors")) {
           TORCH_CHECK_TYPE(py::hasattr(tensor, "layers"), "kv_cache_config.kv_cache_tensors[i].layers is missing");
@@ -55,23 +57,25 @@ void define_host_tier(py::module_& m, EnginesForLayer engines_for_layer) {
             TORCH_CHECK_TYPE(py::isinstance<py::str>(layer), "kv_cache_tensors[i].layers must hold str, got ",
                              std::string(py::repr(layer)));
             const auto name = layer.cast<std::string>();
-            (served_here(engines_for_layer, name, dev) ? served : other).push_back(name);
+            const auto e = served_here(engines_for_layer, name, dev);
+            (e != nullptr && e->config().placement == Placement::kPool ? served : other).push_back(name);
           }
         }
         if (served.empty()) return device;
         // One backing buffer holds every layer's KV cache: it cannot be host memory for some and device memory for
         // the others.
         TORCH_CHECK_NOT_IMPLEMENTED(other.empty(), "ActiveKV keeps its layers' KV cache in pinned host memory on ",
-                                    dev, ", but this KV cache also holds layers of another attention backend ('",
-                                    other.front(), "' beside '", served.front(),
-                                    "'); serve every attention layer with ACTIVEKV");
+                                    dev, ", but this KV cache also holds layers of another attention backend or of "
+                                    "placement 'in_place' ('", other.front(), "' beside '", served.front(),
+                                    "'); serve every attention layer with ACTIVEKV, all with one placement");
         return at::Device(at::kMeta);
       },
       py::arg("kv_cache_config"), py::arg("device"),
       "Where vLLM's allocate_kv_cache allocates the backing buffer of kv_cache_config (vLLM's KVCacheConfig) meant "
-      "for `device` (torch.device): the meta device when every layer of it is served by an ActiveKV engine on that "
-      "CUDA device that has not run yet (host_tier_buffer then allocates it in pinned host memory), else `device` "
-      "unchanged. Raises NotImplementedError for a KV cache that mixes ActiveKV's layers with another backend's.");
+      "for `device` (torch.device): the meta device when every layer of it is served by an ActiveKV engine with a "
+      "pool on that CUDA device that has not run yet (host_tier_buffer then allocates it in pinned host memory), else "
+      "`device` unchanged (an engine that attends in place reads its KV cache in the device's memory). Raises "
+      "NotImplementedError for a KV cache that mixes such layers with another backend's or in-place ones.");
   m.def(
       "host_tier_buffer",
       [](const at::Tensor& buf) {

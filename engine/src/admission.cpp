@@ -84,10 +84,12 @@ TileAdmission admit_tile(LayerState& layer, const int64_t* blocks, int64_t n, ui
         s = layer.lru_head;
         lru_unlink(layer, s);
         layer.slot_of_block[layer.block_of_slot[s]] = -1;
+        note_page_change(layer, layer.block_of_slot[s]);
         ++out.evicted;
       }
       layer.block_of_slot[s] = b;
       layer.slot_of_block[b] = s;
+      note_page_change(layer, b);
       out.miss_blocks.push_back(b);
       out.miss_slots.push_back(s);
     }
@@ -97,6 +99,21 @@ TileAdmission admit_tile(LayerState& layer, const int64_t* blocks, int64_t n, ui
     out.slots.push_back(s);
   }
   return out;
+}
+
+bool touch_resident(LayerState& layer, const std::vector<int64_t>& blocks, uint64_t& clock) {
+  TORCH_INTERNAL_ASSERT(layer.pinned_slots == 0, "touch_resident with ", layer.pinned_slots, " pinned slots");
+  for (const int64_t b : blocks)
+    if (layer.slot_of_block[b] < 0) return false;
+  // Unpinned and resident: each touch moves the slot to the newest end of the LRU list, as release_tile's insertion
+  // of a slot with the newest last_use does.
+  for (const int64_t b : blocks) {
+    const int64_t s = layer.slot_of_block[b];
+    lru_unlink(layer, s);
+    layer.last_use[s] = ++clock;
+    lru_insert(layer, s);
+  }
+  return true;
 }
 
 void release_tile(LayerState& layer, const std::vector<int64_t>& slots) {

@@ -13,4 +13,14 @@ CudaAttendFn& slot() {
 CudaAttendFn cuda_attend() { return slot(); }
 void register_cuda_attend(CudaAttendFn fn) { slot() = fn; }
 
+namespace {
+CudaBatchKernel& batch_slot() {
+  static CudaBatchKernel kernel;
+  return kernel;
+}
+}  // namespace
+
+const CudaBatchKernel& cuda_batch_kernel() { return batch_slot(); }
+void register_cuda_batch_kernel(const CudaBatchKernel& kernel) { batch_slot() = kernel; }
+
 }  // namespace activekv

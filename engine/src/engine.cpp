@@ -82,8 +82,8 @@ namespace {
 // The placement's checks, before the KV state allocates a pool.
 const EngineConfig& checked_placement(const EngineConfig& c, at::Device device) {
   if (c.placement == Placement::kInPlace) {
-    AKV_CHECK_VALUE(device.is_cpu(), "placement 'in_place' needs the CPU (the host tier and the attention on one "
-                    "memory), got device ", device, "; use placement 'pool'");
+    AKV_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "placement 'in_place' needs the CPU or a CUDA device (the "
+                    "host tier and the attention on one memory), got device ", device, "; use placement 'pool'");
     AKV_CHECK_VALUE(c.pool_blocks == 0, "placement 'in_place' has no pool: pool_blocks must be 0, got ",
                     c.pool_blocks);
   } else {
@@ -186,6 +186,12 @@ Engine::HostBinding Engine::host_binding(int64_t layer, const at::Tensor& kv_cac
   return kv_cache.defined() && host.data_ptr() == kv_cache.data_ptr() ? HostBinding::kThis : HostBinding::kOther;
 }
 
+void Engine::check_in_place_host(const at::Tensor& host) const {
+  AKV_CHECK_VALUE(!in_place() || host.device() == device_, "placement 'in_place' reads blocks where they are: "
+                  "kv_cache must be on ", device_, ", got ", host.device(), host.is_pinned() ? " (pinned)" : "",
+                  "; use placement 'pool' for a host tier in host memory");
+}
+
 void Engine::check_layer(int64_t layer) const {
   AKV_CHECK_INDEX(layer >= 0 && layer < geometry().num_layers, "layer must be in [0, ", geometry().num_layers,
                   "), got ", layer);
@@ -204,6 +210,7 @@ StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_
     p.rounds_threads = at::get_num_threads();
     p.rounds = plan_rounds(p, units, p.rounds_pool, geometry().num_kv_heads, p.rounds_threads);
   }
+  path_->plan_batch(p);
   telemetry_.add(Counter::kBuildCalls);
   telemetry_.add(Counter::kRequestRows, num_reqs);
   p.build_id = telemetry_.get(Counter::kBuildCalls);
@@ -214,6 +221,7 @@ void Engine::update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& v
                        const at::Tensor& slot_mapping) {
   check_layer(layer);
   auto host = kv_.host_view(kv_cache);
+  check_in_place_host(host);
   check_writable(kv_cache, "kv_cache");
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"key", &key}, {"value", &value}})
     AKV_CHECK_VALUE(!t->defined() || !t->requires_grad(), name, " must not require grad");
@@ -245,6 +253,7 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   AKV_CHECK_VALUE(output.device() == device_, "output must be on ", device_, ", got ", output.device());
   AKV_CHECK_VALUE(std::isfinite(scale), "scale must be a finite number, got ", scale);
   auto host = kv_.host_view(kv_cache);
+  check_in_place_host(host);
   check_writable(output, "output");
   check_writable(kv_cache, "kv_cache");
   check_has_data(query, "query");
@@ -265,47 +274,66 @@ void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& quer
   const auto selections = plan.selecting
                               ? select_rows(plan, L, query, selection_, path_->native_scores(), telemetry_)
                               : std::vector<RowSelection>();
-  // The step's units: exact tiles from the plan, a selecting row's union from this layer's selection.
-  std::vector<UnitBlocks> units(plan.num_units());
-  for (int64_t u = 0; u < plan.num_units(); ++u) {
-    const auto i = static_cast<size_t>(plan.unit_row[u]);
-    units[u] = plan.rows[i].selects ? UnitBlocks{selections[i].union_blocks.data(),
-                                                 static_cast<int64_t>(selections[i].union_blocks.size())}
-                                    : exact_unit(plan, g, u);
-  }
-  // Rounds: one unit each, or for a batching path the plan's (made at build when no unit depends on the layer).
-  std::vector<UnitRound> own;
-  const std::vector<UnitRound>* rounds = &plan.rounds;
-  if (!path_->batches_units()) {
-    own.resize(units.size());
-    for (size_t u = 0; u < units.size(); ++u) own[u].end = static_cast<int64_t>(u) + 1;
-    rounds = &own;
-  } else if (plan.selecting || plan.rounds_pool != round_capacity() ||
-             plan.rounds_threads != at::get_num_threads()) {
-    own = plan_rounds(plan, units, round_capacity(), g.num_kv_heads, at::get_num_threads());
-    rounds = &own;
-  }
-  // The admission loop: a round's units admitted (pinned) in order, computed together, then released in order. In
-  // place, a unit's "slots" are its block ids in the host tier, which the path reads as it reads a pool (the same
-  // [blocks, num_kv_heads, 2, block_size, head_size] layout): nothing is admitted, pinned or copied.
   const auto out3 = output.view({output.size(0), h, d});
-  const LayerStep step{plan, L, in_place() ? host : L.pool, query, out3, scale, selections};
-  path_->begin(step);
-  std::vector<AdmittedUnit> admitted;
-  int64_t begin = 0;
-  for (const auto& round : *rounds) {
-    TilePins pins{L, {}};
-    admitted.clear();
-    for (int64_t u = begin; u < round.end; ++u) {
-      if (in_place()) {
-        admitted.push_back({u, std::vector<int64_t>(units[u].ids, units[u].ids + units[u].n)});
-        telemetry_.add(Counter::kBlocksInPlace, units[u].n);
-      } else {
-        admitted.push_back({u, admit_unit(L, host, units[u], pins.slots)});
-      }
+  LayerStep step{plan, L, in_place() ? host : L.pool, query, out3, scale, selections};
+  // The decode batch (StepPlan::batch): its rows in one launch when every block they read is on the device: in place,
+  // or all resident in the pool (touched as admitting them would, no copy; the kernel finds their slots in the page
+  // table on the device). Launched before any admission of the other rows, so a slot those evict is overwritten on
+  // the stream only after the launch has read it. Otherwise its rows are admitted with the others.
+  if (!plan.batch.empty() && path_->batch_fits(step)) {
+    if (in_place()) {
+      step.batch = true;
+      telemetry_.add(Counter::kBlocksInPlace, static_cast<int64_t>(plan.batch.blocks.size()));
+    } else if (touch_resident(L, plan.batch.blocks, clock_)) {
+      step.batch = true;
+      step.page = kv_.device_page(layer);
+      telemetry_.add(Counter::kBlocksHit, static_cast<int64_t>(plan.batch.blocks.size()));
     }
-    path_->attend(step, admitted, round.heads_per_task);
-    begin = round.end;
+  }
+  path_->begin(step);
+  if (step.batch) path_->attend_batch(step);
+  // The other rows (every row, without the batch): their units admitted round by round.
+  if (!step.batch || plan.batch.rows.size() < plan.rows.size()) {
+    // The step's units: exact tiles from the plan, a selecting row's union from this layer's selection.
+    std::vector<UnitBlocks> units(plan.num_units());
+    for (int64_t u = 0; u < plan.num_units(); ++u) {
+      const auto i = static_cast<size_t>(plan.unit_row[u]);
+      units[u] = plan.rows[i].selects ? UnitBlocks{selections[i].union_blocks.data(),
+                                                   static_cast<int64_t>(selections[i].union_blocks.size())}
+                                      : exact_unit(plan, g, u);
+    }
+    // Rounds: one unit each, or for a batching path the plan's (made at build when no unit depends on the layer).
+    std::vector<UnitRound> own;
+    const std::vector<UnitRound>* rounds = &plan.rounds;
+    if (!path_->batches_units()) {
+      own.resize(units.size());
+      for (size_t u = 0; u < units.size(); ++u) own[u].end = static_cast<int64_t>(u) + 1;
+      rounds = &own;
+    } else if (plan.selecting || plan.rounds_pool != round_capacity() ||
+               plan.rounds_threads != at::get_num_threads()) {
+      own = plan_rounds(plan, units, round_capacity(), g.num_kv_heads, at::get_num_threads());
+      rounds = &own;
+    }
+    // The admission loop: a round's units admitted (pinned) in order, computed together, then released in order. In
+    // place, a unit's "slots" are its block ids in the host tier, which the path reads as it reads a pool (the same
+    // [blocks, num_kv_heads, 2, block_size, head_size] layout): nothing is admitted, pinned or copied.
+    std::vector<AdmittedUnit> admitted;
+    int64_t begin = 0;
+    for (const auto& round : *rounds) {
+      TilePins pins{L, {}};
+      admitted.clear();
+      for (int64_t u = begin; u < round.end; ++u) {
+        if (step.batch && plan.batch.member[plan.unit_row[u]]) continue;
+        if (in_place()) {
+          admitted.push_back({u, std::vector<int64_t>(units[u].ids, units[u].ids + units[u].n)});
+          telemetry_.add(Counter::kBlocksInPlace, units[u].n);
+        } else {
+          admitted.push_back({u, admit_unit(L, host, units[u], pins.slots)});
+        }
+      }
+      if (!admitted.empty()) path_->attend(step, admitted, round.heads_per_task);
+      begin = round.end;
+    }
   }
   path_->finish(step);
   const int64_t admitted_blocks = telemetry_.get(Counter::kBlocksAdmitted) - admitted_before;

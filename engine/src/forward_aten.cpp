@@ -20,8 +20,10 @@ std::unique_ptr<ForwardPath> make_forward_path(Kernel kernel, const Geometry& g,
 void AtenPath::begin(const LayerStep& s) {
   rows_.clear();
   rows_.reserve(s.plan.rows.size());
-  for (const auto& w : s.plan.rows) {
+  for (size_t i = 0; i < s.plan.rows.size(); ++i) {
+    const auto& w = s.plan.rows[i];
     RowState& r = rows_.emplace_back();
+    if (in_batch(s, i)) continue;  // attend_batch computes and writes it
     r.qg = group_query(s.query.narrow(0, w.q0, w.lq), g_.num_kv_heads);
     if (contiguous_query(r.qg.size(1))) r.qg = r.qg.contiguous();
     r.st = online_softmax_init(g_.num_kv_heads, r.qg.size(1), g_.head_size, device_);
@@ -41,6 +43,7 @@ void AtenPath::attend(const LayerStep& s, const std::vector<AdmittedUnit>& round
 
 void AtenPath::finish(const LayerStep& s) {
   for (size_t i = 0; i < rows_.size(); ++i) {
+    if (in_batch(s, i)) continue;
     const auto& w = s.plan.rows[i];
     s.out.narrow(0, w.q0, w.lq).copy_(ungroup_output(online_softmax_finish(rows_[i].st), w.lq));
   }

@@ -26,6 +26,10 @@ struct LayerStep {
   const at::Tensor& out;    ///< [>= tokens, num_heads, head_size] contiguous, written for the plan's rows
   double scale;
   const std::vector<RowSelection>& selections;  ///< by plan row: the layer's selection of each selecting row
+  /// The plan's decode batch (StepPlan::batch) is attended by one launch in this layer (attend_batch): its rows are
+  /// neither admitted nor given per-row state
+  bool batch = false;
+  at::Tensor page;  ///< with `batch` on a pool: the layer's page table on the device (KVState::device_page)
 };
 
 /// An admitted unit: its index in the step and the slots of its blocks in LayerStep::kv (in the unit's order).
@@ -34,8 +38,9 @@ struct AdmittedUnit {
   std::vector<int64_t> slots;
 };
 
-/// Computes the admitted units of a step, layer by layer. Engine::forward calls begin, then attend once per round of
-/// admitted units (pinned while it runs), then finish; calls are serialised by the engine's lock.
+/// Computes the admitted units of a step, layer by layer. Engine::forward calls begin, then attend_batch where the
+/// layer takes the decode batch, then attend once per round of admitted units (pinned while it runs), then finish;
+/// calls are serialised by the engine's lock.
 class ForwardPath {
  public:
   virtual ~ForwardPath() = default;
@@ -44,6 +49,12 @@ class ForwardPath {
   virtual bool batches_units() const = 0;
   /// Whether compressed selection scores with the CPU kernel (selection.h native_scores).
   virtual bool native_scores() const { return false; }
+  /// Plan the step's decode batch (StepPlan::batch) at build, where the path attends one (the CUDA path).
+  virtual void plan_batch(StepPlan& plan) const {}
+  /// Whether this layer's tensors let the plan's decode batch run (the kernel reads them in 16-byte pieces).
+  virtual bool batch_fits(const LayerStep& s) const { return false; }
+  /// Attend the plan's decode batch in one launch and write its rows' output (s.batch is set).
+  virtual void attend_batch(const LayerStep& s) {}
   /// Prepare the layer's per-row state (grouped queries, online-softmax state) for the plan's rows.
   virtual void begin(const LayerStep& s) = 0;
   /// Compute the admitted units of one round; heads_per_task: the round's task split (batching paths).
@@ -74,6 +85,8 @@ class AtenPath : public ForwardPath {
   virtual void attend_selected(const LayerStep& s, size_t i, const std::vector<int64_t>& union_slots);
   /// Whether row i's grouped query must be contiguous (read by pointer).
   virtual bool contiguous_query(int64_t rows) const { return false; }
+  /// Whether plan row i is attended by this layer's decode batch launch.
+  static bool in_batch(const LayerStep& s, size_t i) { return s.batch && s.plan.batch.member[i] != 0; }
 
   const Geometry& g_;
   const Selection& sel_;

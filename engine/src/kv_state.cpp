@@ -78,6 +78,8 @@ void reset_page_table(LayerState& layer) {
   layer.lru_head = layer.lru_tail = -1;
   layer.next_free = 0;
   layer.pinned_slots = 0;
+  layer.page_stale = true;
+  layer.page_changed.clear();
 }
 
 KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device)
@@ -112,6 +114,33 @@ const LayerState& KVState::layer(int64_t index) const {
 
 void KVState::reset_layer(int64_t index) {
   reset_page_table(layer(index));
+}
+
+const at::Tensor& KVState::device_page(int64_t index) {
+  auto& l = layer(index);
+  const auto pinned = at::TensorOptions().dtype(at::kInt).pinned_memory(true);
+  if (!l.page_dev.defined() || l.page_dev.size(0) != l.host_blocks) {
+    l.page_dev = at::empty({l.host_blocks}, at::TensorOptions().dtype(at::kInt).device(device_));
+    l.page_stale = true;
+  }
+  if (l.page_stale) {
+    auto host = at::empty({l.host_blocks}, pinned);
+    std::copy(l.slot_of_block.begin(), l.slot_of_block.end(), host.data_ptr<int32_t>());
+    l.page_dev.copy_(host, /*non_blocking=*/true);
+  } else if (!l.page_changed.empty()) {
+    const auto n = static_cast<int64_t>(l.page_changed.size());
+    auto host = at::empty({2, n}, pinned);
+    int32_t* ids = host.data_ptr<int32_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      ids[i] = static_cast<int32_t>(l.page_changed[i]);
+      ids[n + i] = static_cast<int32_t>(l.slot_of_block[l.page_changed[i]]);  // the slot now: repeats agree
+    }
+    auto dev = host.to(device_, /*non_blocking=*/true);
+    l.page_dev.index_put_({dev[0].to(at::kLong)}, dev[1]);
+  }
+  l.page_stale = false;
+  l.page_changed.clear();
+  return l.page_dev;
 }
 
 at::Tensor KVState::host_view(const at::Tensor& kv_cache) const {

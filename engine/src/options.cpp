@@ -98,8 +98,8 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
   if (cfg.placement == Placement::kInPlace) {
     AKV_CHECK_VALUE(!pool_given, option_label("placement"), " 'in_place' has no pool: drop ",
                     option_label("pool_blocks"), " or set placement 'pool'");
-    AKV_CHECK_VALUE(group.device.is_cpu(), option_label("placement"), " 'in_place' needs the CPU, got device ",
-                    group.device, "; set placement 'pool'");
+    AKV_CHECK_VALUE(group.device.is_cpu() || group.device.is_cuda(), option_label("placement"),
+                    " 'in_place' needs the CPU or a CUDA device, got device ", group.device, "; set placement 'pool'");
   }
   const int64_t pool_blocks = option_int(options, "pool_blocks", -1);  // -1: not given
   AKV_CHECK_VALUE(!pool_given || pool_blocks >= 1, option_label("pool_blocks"), " must be >= 1, got ", pool_blocks);

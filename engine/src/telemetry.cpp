@@ -37,6 +37,7 @@ const char* counter_name(Counter c) {
     case Counter::kPlannedBlocks: return "planned_blocks";
     case Counter::kPlannedTiles: return "planned_tiles";
     case Counter::kBlocksInPlace: return "blocks_in_place";
+    case Counter::kDecodeBatchRows: return "decode_batch_rows";
     case Counter::kCount: break;
   }
   return "unknown";

@@ -44,6 +44,8 @@ const CounterSpec kCounterSpecs[] = {
     {"planned_tiles", "activekv_planned_tiles", "", "Exact-mode tiles build planned, once per step."},
     {"blocks_in_place", "activekv_blocks_in_place", "",
      "KV blocks attended where they are in the host tier (in-place placement: no pool, no copy)."},
+    {"decode_batch_rows", "activekv_decode_batch_rows", "",
+     "Decode rows attended by one CUDA launch for the step's whole batch (every block they read on the device)."},
 };
 static_assert(sizeof kCounterSpecs / sizeof kCounterSpecs[0] == static_cast<size_t>(Counter::kCount),
               "one Prometheus spec per counter, in Counter order");

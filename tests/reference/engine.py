@@ -34,6 +34,7 @@ COUNTERS = (
     "planned_blocks",
     "planned_tiles",
     "blocks_in_place",
+    "decode_batch_rows",  # the CUDA decode batch (the native kernel's); the ATen path the reference mirrors: always 0
 )
 
 
@@ -205,8 +206,8 @@ class RefEngine:
             raise ValueError(f"the reference mirrors the ATen tile path only, got kernel={kernel!r}")
         if placement not in ("pool", "in_place"):
             raise ValueError(f"placement must be 'pool' or 'in_place', got {placement!r}")
-        if placement == "in_place" and (torch.device(device).type != "cpu" or pool_blocks != 0):
-            raise ValueError("placement 'in_place' needs the CPU and pool_blocks 0")
+        if placement == "in_place" and (torch.device(device).type not in ("cpu", "cuda") or pool_blocks != 0):
+            raise ValueError("placement 'in_place' needs the CPU or a CUDA device, and pool_blocks 0")
         # engine.h Placement: in place, a unit's blocks are read where they are in the host tier (no pool, no copy)
         self.in_place = placement == "in_place"
         self.device = torch.device(device)

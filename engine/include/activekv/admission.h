@@ -46,4 +46,10 @@ TileAdmission admit_tile(LayerState& layer, const int64_t* blocks, int64_t n, ui
 /// Unpin the slots of a tile admitted by admit_tile.
 void release_tile(LayerState& layer, const std::vector<int64_t>& slots);
 
+/// Blocks read where they are resident, with no copy (the CUDA decode batch): if every one of `blocks` is resident,
+/// touch them in order as admitting and releasing them unit by unit would (each a hit; the LRU clock and order
+/// advance the same way) and return true; else change nothing and return false. Nothing may be pinned.
+/// @param blocks ids in [0, host_blocks) (the plan's, checked against the host tier)
+bool touch_resident(LayerState& layer, const std::vector<int64_t>& blocks, uint64_t& clock);
+
 }  // namespace activekv

@@ -1,6 +1,7 @@
 #pragma once
 /// @file cuda_kernel.h
-/// @brief CUDA decode attention kernel: split-K online softmax over pool blocks read in place, GQA-aware.
+/// @brief CUDA decode attention kernels: split-K online softmax over blocks read in place, GQA-aware. One kernel per
+///        tile of one request row (any decode or short prefill row), and one launch for a whole step's decode batch.
 ///
 /// Flash-decoding structure (Dao et al., "Flash-Decoding for long-context inference", 2023; the online softmax of
 /// Milakov & Gimelshein, 2018): the blocks of one tile are split across CTAs per KV head; each CTA keeps a running
@@ -45,5 +46,56 @@ inline bool cuda_kernel_supports(int64_t head_size, int64_t rows) {
 CudaAttendFn cuda_attend();
 /// Called once by the CUDA object's static initializer.
 void register_cuda_attend(CudaAttendFn fn);
+
+/// The decode batch kernel: every exact decode row of a step (StepPlan::batch, one query token each) in one launch.
+///
+/// A work item is a run of 16-token sub-tiles of one row (the split of split-K); the grid is (work item, KV head) and
+/// each CTA's four warps take its sub-tiles in turn, each warp reading a sub-tile's K and V once for the whole GQA
+/// group (up to 8 query heads) with tensor-core products: S = K Q^T (bfloat16/float16 operands, float32 accumulation,
+/// exact products), the online softmax in float32, then O^T += V^T P^T with P split into a high and a low part in the
+/// KV dtype (two products: P is carried to about 2^-16 of itself, not rounded to the KV dtype), so the arithmetic is
+/// float32's but for the order of additions. The warps' states merge in shared memory into one partial (max, sum,
+/// accumulator) per (item, KV head, query head); a second kernel (one CTA per row, KV head and query head) merges a
+/// row's partials and writes its output in the query dtype. No atomics and a split fixed by the plan: bit-identical
+/// run to run.
+///
+/// DecodeBatch::arrays (int32, on the device), three sections one after the other:
+///   rows  [rows][4]:   first query token, first work item, end of its work items, 0
+///   items [items][8]:  first sub-tile, end sub-tile, context length, query token, index (in the blocks section) of
+///                      the block holding the first sub-tile, 0, 0, 0
+///   blocks [n]:        the rows' block ids, row after row
+struct CudaBatchArgs {
+  at::Tensor kv;      ///< [blocks, num_kv_heads, 2, block_size, head_size] contiguous, CUDA, bfloat16 or float16,
+                      ///< 16-byte aligned: the host tier (in place) or the pool
+  at::Tensor page;    ///< int32 [host_blocks] on the device, block id -> pool slot; undefined in place (slot = id)
+  at::Tensor arrays;  ///< int32 on the device, laid out as above
+  int64_t rows = 0, items = 0, blocks = 0;
+  at::Tensor query;   ///< [>= tokens, num_heads, head_size], kv's dtype, head_size contiguous, rows 16-byte aligned
+  at::Tensor out;     ///< [>= tokens, num_heads, head_size] contiguous, kv's dtype; the batch's rows are written
+  at::Tensor work;    ///< float32 scratch of >= items * num_kv_heads * group * (head_size + 2) on the device: the
+                      ///< work items' accumulators, then their (max, sum) pairs
+  int64_t group = 1;  ///< query heads per KV head
+  double scale = 1.0;
+};
+
+using CudaBatchFn = void (*)(const CudaBatchArgs&);
+
+/// The shapes the decode batch kernel takes: bfloat16 or float16 KV, head size 64, 128 or 256, up to 8 query heads per
+/// KV head, block sizes that are multiples of 16.
+inline bool cuda_batch_supports(at::ScalarType dtype, int64_t head_size, int64_t group, int64_t block_size) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) && (head_size == 64 || head_size == 128 || head_size == 256) &&
+         group >= 1 && group <= 8 && block_size % 16 == 0;
+}
+
+/// 16-token sub-tiles of one work item: at most this many (a CTA keeps the item's block offsets in shared memory).
+constexpr int64_t kCudaBatchMaxSplit = 64;
+
+/// The registered decode batch kernel and the device query it plans with; null members in a build without CUDA.
+struct CudaBatchKernel {
+  CudaBatchFn attend = nullptr;
+  int64_t (*multiprocessors)(int64_t device_index) = nullptr;  ///< streaming multiprocessors of a CUDA device
+};
+const CudaBatchKernel& cuda_batch_kernel();
+void register_cuda_batch_kernel(const CudaBatchKernel& kernel);
 
 }  // namespace activekv

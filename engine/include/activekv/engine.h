@@ -51,8 +51,8 @@ Transfer parse_transfer(const std::string& name);
 /// Where a forward reads the blocks it attends.
 enum class Placement : int {
   kPool = 0,     ///< admitted into the engine's active pool (copied from the host tier on a miss), read there
-  kInPlace = 1,  ///< read where they are in the host tier (vLLM's KV cache): no pool, no admission, no copy. CPU
-                 ///< only, where the host tier and a pool would be the same memory
+  kInPlace = 1,  ///< read where they are in the host tier (vLLM's KV cache): no pool, no admission, no copy. On the
+                 ///< CPU, or on a CUDA device whose host tier is its own memory (a pool would be the same memory)
 };
 /// Placement from its option spelling ("pool" or "in_place"). @throws c10::ValueError naming the valid ones.
 Placement parse_placement(const std::string& name);
@@ -84,12 +84,13 @@ class ForwardPath;  // forward_path.h (private to the engine)
 class Engine {
  public:
   /// @throws c10::ValueError if the geometry is invalid; with a pool if pool_blocks < tile_blocks; in place if the
-  ///         device is not the CPU or pool_blocks is not 0; in compressed mode also if recent_blocks < 1,
+  ///         device is neither the CPU nor CUDA or pool_blocks is not 0; in compressed mode also if recent_blocks < 1,
   ///         sink_blocks < 0, budget_tokens < (sink_blocks + recent_blocks + 1) * block_size, or (with a pool)
   ///         pool_blocks < worst_case_union_blocks.
   /// @param device the pool's device. On CPU the host tier (each layer's kv_cache) is CPU memory too. On a CUDA device
-  ///        it is either that device's memory (resident) or pinned CPU memory (tiered: admitted blocks move
-  ///        host-to-device on a copy stream, transfer.h; KV updates write the new tokens back to the host tier).
+  ///        it is either that device's memory (resident; in place it must be) or pinned CPU memory (tiered: admitted
+  ///        blocks move host-to-device on a copy stream, transfer.h; KV updates write the new tokens back to the host
+  ///        tier).
   Engine(EngineConfig config, at::Device device);
   ~Engine();
 
@@ -140,7 +141,8 @@ class Engine {
                  const at::Tensor& slot_mapping);
 
   /// Attention of one layer for a planned step, written into `output`. The plan's block ids are checked against
-  /// kv_cache's block count (one comparison: check_plan_blocks) before anything changes.
+  /// kv_cache's block count (one comparison: check_plan_blocks) before anything changes. On CUDA the plan's exact
+  /// decode rows take one launch (StepPlan::batch) where every block they read is on the device.
   /// @param query [>= num_actual_tokens, num_heads, head_size], geometry dtype
   /// @param output [>= num_actual_tokens, num_heads, head_size] (or [.., num_heads * head_size]), query dtype;
   ///        rows of real tokens are overwritten, padding rows untouched
@@ -155,6 +157,8 @@ class Engine {
 
  private:
   void check_layer(int64_t layer) const;
+  /// In place, the host tier must be the engine's device's memory. @throws c10::ValueError
+  void check_in_place_host(const at::Tensor& host) const;
   bool in_place() const { return config_.placement == Placement::kInPlace; }
   /// Blocks a round of a batching path may hold: the pool's slots, or (in place, nothing admitted) no limit.
   int64_t round_capacity() const {

@@ -40,7 +40,24 @@ struct LayerState {
   int64_t lru_tail = -1;          ///< most recently used unpinned slot
   /// Compressed mode, last forward: (request row, [num_kv_heads, per_head] int64 block ids each head attended).
   std::vector<std::pair<int64_t, at::Tensor>> last_selection;
+  /// slot_of_block as int32 on the pool's device, for kernels that find a block's slot there (the CUDA decode
+  /// batch); brought up to date by KVState::device_page, from the blocks whose slot changed since (page_changed), or
+  /// whole when page_stale (a reset, or more changes than are worth listing).
+  at::Tensor page_dev;
+  std::vector<int64_t> page_changed;
+  bool page_stale = true;
 };
+
+/// Record that block b's slot changed (admission.h keeps the page table; KVState::device_page reads this).
+inline void note_page_change(LayerState& layer, int64_t b) {
+  if (layer.page_stale) return;
+  if (static_cast<int64_t>(layer.page_changed.size()) >= layer.host_blocks / 8 + 64) {
+    layer.page_stale = true;  // a whole copy is as cheap, and the list stops growing
+    layer.page_changed.clear();
+    return;
+  }
+  layer.page_changed.push_back(b);
+}
 
 /// Empty a layer's page table: every pool slot free, nothing resident or pinned, LRU clock entries 0. Sizes come from
 /// block_of_slot (pool) and slot_of_block (host blocks), which must be sized already.
@@ -86,6 +103,10 @@ class KVState {
 
   /// Forget every resident block of a layer (the pool's bytes stay; nothing reads a free slot).
   void reset_layer(int64_t layer);
+
+  /// The layer's page table on the pool's device: int32 [host_blocks], block id -> pool slot or -1, brought up to date
+  /// on the current stream (the changed entries, or the whole table) through pinned memory with non-blocking copies.
+  const at::Tensor& device_page(int64_t layer);
 
  private:
   Geometry g_;

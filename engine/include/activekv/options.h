@@ -47,7 +47,9 @@ struct BackendConfig {
 
 /// Defaults: on the CPU, with neither pool_blocks nor placement given, placement in place (no pool: the host tier and a
 /// pool would be the same memory); else a pool of 256 blocks per layer (exact mode; compressed mode's default pool is
-/// compressed_default_pool). Tiles of 16 blocks, or of pool_blocks blocks where pool_blocks alone is smaller.
+/// compressed_default_pool). On CUDA, placement in place is taken when asked for: the KV cache then stays in the
+/// device's memory (no host tier in pinned host memory). Tiles of 16 blocks, or of pool_blocks blocks where
+/// pool_blocks alone is smaller.
 inline constexpr int64_t kDefaultPoolBlocks = 256;
 inline constexpr int64_t kDefaultTileBlocks = 16;
 

@@ -7,8 +7,8 @@
 /// with their context's block ids (the largest id kept, so a forward checks them against its KV cache's size in one
 /// comparison), the admission units of every row (exact rows: tiles of tile_blocks blocks; a compressed decode row
 /// beyond the budget: one unit, the union its layer's selection chooses), and the admission rounds of a forward path
-/// that computes several units per call (the CPU kernel's), with the split of each round into (row, KV heads) tasks.
-/// Everything here is the same for every layer of the step.
+/// that computes several units per call (the CPU kernel's), with the split of each round into (row, KV heads) tasks,
+/// and the decode batch one CUDA launch attends (DecodeBatch). Everything here is the same for every layer of the step.
 #include <activekv/geometry.h>
 #include <activekv/telemetry.h>
 
@@ -44,6 +44,21 @@ struct UnitRound {
   int64_t heads_per_task = 1;
 };
 
+/// The decode rows of a step that one kernel launch attends together (the CUDA path's decode batch, cuda_kernel.h):
+/// exact decode rows (one query token, no selection) when the path's batch kernel takes the geometry. Made once per
+/// step by build, its device arrays included; a layer's forward takes it when every block it reads is on the device
+/// (placement in place, or all of them resident in the pool), else its rows go through admission with the others.
+struct DecodeBatch {
+  std::vector<int64_t> rows;     ///< indices into StepPlan::rows, ascending
+  std::vector<char> member;      ///< [StepPlan::rows] 1 for a row of the batch (empty when the batch is)
+  std::vector<int64_t> blocks;   ///< the rows' context block ids, row after row
+  int64_t units = 0;             ///< the rows' admission units (exact tiles): what telemetry counts as tiles computed
+  int64_t items = 0;             ///< split-K work items: runs of at most `split` 16-token sub-tiles of one row
+  int64_t split = 0;             ///< 16-token sub-tiles per work item
+  at::Tensor arrays;             ///< int32 on the engine's device, laid out as cuda_kernel.h CudaBatchArgs says
+  bool empty() const { return rows.empty(); }
+};
+
 /// One vLLM step's plan, shared by every layer of the step.
 struct StepPlan {
   at::Tensor query_start_loc;  ///< [num_reqs + 1] int32, cumulative query tokens per request row
@@ -64,6 +79,7 @@ struct StepPlan {
   std::vector<UnitRound> rounds;
   int64_t rounds_pool = 0;
   int64_t rounds_threads = 0;
+  DecodeBatch batch;  ///< made by build where the engine's path attends a decode batch (forward_path.h plan_batch)
 
   int64_t num_units() const { return static_cast<int64_t>(unit_row.size()); }
 };

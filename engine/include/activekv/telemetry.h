@@ -53,6 +53,7 @@ enum class Counter : int {
   kPlannedBlocks,        ///< block ids build checked and planned: the context blocks of every row with query tokens
   kPlannedTiles,         ///< exact-mode tiles build planned (rows that do not select); once per step, not per layer
   kBlocksInPlace,        ///< blocks attended where they are in the host tier (in-place placement: no admission)
+  kDecodeBatchRows,      ///< decode rows attended by one launch for the step's batch (CUDA; every block on the device)
   kCount
 };
 
