@@ -17,9 +17,9 @@ mode's answers to the same prompts:
 - passkey: PASSKEY_STREAMS, every engine.
 - facts (multikey, splitkey, listing) and continuations: FACT_CONTEXTS and CONTINUATION_CONTEXTS, exact mode and the
   block-16 budgets.
-- A prompt whose context (prompt + new tokens) fits a compressed engine's budget is not run there: compressed mode
-  attends every block of such a row, as exact mode does (README, Options), so its answer is exact mode's. The tables
-  mark those cells.
+- A prompt whose context (prompt + new tokens) fits a compressed engine's budget is not run there: a decode row
+  selects only when it holds more blocks than the budget (engine/src/step_plan.cpp, `selects`), so such a row
+  attends every block, as in exact mode, and its answer is exact mode's. The tables mark those cells.
 - Continuations: greedy agreement with exact mode up to the first differing token, and at that token the gap between
   exact mode's logprob of its own choice and of compressed mode's (from exact's top LOGPROBS).
 - CPU_ATTN against exact: per passkey prompt, equal tokens, a difference allowed only after a near tie
@@ -379,13 +379,14 @@ def prompt_table(data: dict[str, Any], task: str) -> list[str]:
 
 
 def exact_answers(data: dict[str, Any], task: str, limit: int = 48) -> list[str]:
-    """Exact mode's answer to each prompt of a task, as text (first line, cut), with what was expected."""
+    """Exact mode's answer to each prompt of a task, as text (lines joined with " / ", cut), with what was
+    expected."""
     out = []
     for c in data["cases"]:
         if c["task"] != task:
             continue
-        text = data["runs"][EXACT_RUN]["results"][c["name"]]["text"].strip().splitlines()
-        first = text[0] if text else ""
+        lines = data["runs"][EXACT_RUN]["results"][c["name"]]["text"].strip().splitlines()
+        first = " / ".join(line.strip() for line in lines if line.strip())
         first = first if len(first) <= limit else first[:limit] + "..."
         out.append(f"{_k(c['context'])} at {100 * c['depth']:.0f}%" + (f" ({c['asked']})" if c["asked"] else "")
                    + f": expected {', '.join(c['expected'])}; exact said `{first.replace('`', '')}`")
@@ -535,8 +536,9 @@ def passkey_section(data: dict[str, Any]) -> list[str]:
         "documentation, then \"What is the pass key?\", the answer opened with \"The pass key is\"; right when the "
         f"answer's digits are the key. {len(cases)} prompts: each needle is cut at up to three context lengths, so it "
         "sits at a different depth of each (the table below gives every prompt's depth). Each cell: prompts "
-        "answered right / prompts. (=): every prompt of the cell fits the budget, so compressed mode attends every "
-        "block, as exact mode does: exact mode's answers, not run again.", "",
+        "answered right / prompts. (=): every prompt of the cell fits the budget: a decode row selects only when it "
+        "holds more blocks than the budget (`engine/src/step_plan.cpp`), so compressed mode attends every block of "
+        "these rows, as exact mode does; the cell is exact mode's answers, not run again.", "",
         *accuracy_table(data, PASSKEY), "",
         "![Passkey accuracy against budget](img/quality_passkey.png)", "",
         "Per prompt (✓ right, ✗ wrong, = within the budget):", "",
@@ -561,7 +563,7 @@ def retrieval_section(data: dict[str, Any]) -> list[str]:
         "**multikey**", "", *accuracy_table(data, MULTIKEY), "",
         *prompt_table(data, MULTIKEY), "",
         "**splitkey**", "", *accuracy_table(data, SPLITKEY), "",
-        "Exact mode's answers: " + "; ".join(exact_answers(data, SPLITKEY)) + ".", "",
+        "Exact mode's answers: " + "; ".join(exact_answers(data, SPLITKEY, 80)) + ".", "",
         "![Multikey and splitkey accuracy against budget](img/quality_retrieval.png)", ""]
 
 
