@@ -254,14 +254,15 @@ def provenance(argv: Sequence[str]) -> dict[str, Any]:
     import transformers
     import vllm
 
+    import activekv._backend as backend
     from tools.bench import git_commit, machine_info
     from tools.real_model import PACKAGE, SPEC
 
     return {
         "tool": "tools.quality", "command": shlex.join(["python", "-m", "tools.quality", *argv]),
         "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "machine": machine_info(),
-        "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},
+        "versions": {"activekv": backend.__version__, "torch": torch.__version__, "vllm": vllm.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
         "model": {"name": "SmolLM2-135M-Instruct", "package": PACKAGE, **SPEC},
         "setup": {"new_tokens": NEW_TOKENS, "logprobs": LOGPROBS, "sink_blocks": SINK_BLOCKS,
                   "recent_blocks": RECENT_BLOCKS, **{k: v for k, v in COMMON.items()}},
