@@ -178,6 +178,8 @@ const char* const kEnvironmentHelp =
     "                               they skip git); never set it by hand\n"
     "  ACTIVEKV_TELEMETRY_DIR=DIR   base folder of the telemetry segments (default /dev/shm)\n"
     "  ACTIVEKV_CPU_AMX=0           the CPU kernel keeps bfloat16 KV off AMX tiles (default: AMX where present)\n"
+    "  ACTIVEKV_CUDA_SPLIT=N        CUDA decode batch: 16-token sub-tiles per work item (1..64), for measuring the\n"
+    "                               split; unset: the plan's own choice\n"
     "  ATEN_CPU_CAPABILITY=CAP      caps the CPU kernel's instruction set (default, avx2, avx512) as it caps ATen's\n"
     "  VLLM_PLUGINS                 serve and run-batch add activekv to it (see `activekv plugins`)\n";
 
