@@ -1,7 +1,7 @@
 """The quality tools (tools/quality.py, tools/quality_tasks.py, tools/quality_synthetic.py) without starting vLLM:
 prompt building (on a character-level stand-in tokenizer, and on the real model's tokenizer where it is built),
-scoring, the engine plan, the agreement figures, rendering JSON to markdown and plots (`--render`), and the synthetic
-spread measurement through the native engine."""
+scoring, the engine plan, the agreement figures, rendering JSON to markdown and plots (`--render`), the committed page
+against the committed JSON, and the synthetic spread measurement through the native engine."""
 
 from __future__ import annotations
 
@@ -322,6 +322,14 @@ def test_render_cli_writes_the_page_and_four_plots(tmp_path: Path) -> None:
     for name in quality.images(_data()):
         data = (img / name).read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5_000, name
+
+
+def test_committed_page_is_what_the_committed_data_renders() -> None:
+    data = json.loads(quality.DATA.read_text())
+    assert quality.PAGE.read_text() == quality.render(data), "stale: run `python -m tools.quality --render`"
+    for name in quality.images(data):
+        assert (quality.IMG / name).is_file(), name
+    assert not data["quick"] and data["command"] == "python -m tools.quality"
 
 
 def test_render_does_not_change_its_input() -> None:
