@@ -107,9 +107,8 @@ profile: build ## where a decode step's CPU time goes, native frames included (p
 parity: build ## every parity cell (exact + compressed), engine's ATen path vs the reference; report in build/parity/
 	$(PY) -m tools.parity $(PARITY_ARGS)
 
-quality: build patch-vllm ## train the byte-level Llama if needed (tools/train_tiny.py), measure compressed mode, write docs/quality.md
-	$(PY) -m tools.train_tiny build/tiny-trained
-	$(PY) -m tools.quality --model build/tiny-trained
+quality: build patch-vllm real-model ## compressed mode's quality on the real model (passkey, multikey, listing, ...): docs/quality.md
+	$(PY) -m tools.quality
 
 serve-load: build patch-vllm real-model ## `activekv serve` vs stock `vllm serve` on the real model: 64 concurrent streams x 8 waves (tools/serve_load.py)
 	$(PY) -m tools.serve_load

@@ -11,7 +11,7 @@ import torch
 
 import activekv._admission as admission
 from tests.reference.engine import select_blocks as ref_select_blocks
-from tools.quality import planted_needle_recall
+from tools.quality_synthetic import planted_needle_recall
 
 KVH, D = 2, 16
 
@@ -196,10 +196,10 @@ def test_planted_needle_is_always_selected(block_size: int, context_blocks: int,
 
 
 def test_planted_needle_at_every_position() -> None:
-    # tools.quality's grid (docs/quality.md (a)) at one size: each candidate block position holds the needle once.
+    # each candidate block position holds the needle once.
     assert planted_needle_recall(16, 24, 4, 0, positions=range(1, 23)) == 1.0
 
 
 def test_weak_needle_is_missed() -> None:
-    # Quest's bound is an upper bound: below the noise blocks' bound the needle loses (docs/quality.md (a)).
+    # Quest's bound is an upper bound: below the noise blocks' bound the needle loses (docs/quality.md, synthetic).
     assert planted_needle_recall(16, 64, 4, 8, noise=0.1, needle=0.25) < 0.5

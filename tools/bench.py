@@ -22,7 +22,7 @@ column:
   max_num_seqs): rows whose unions do not fit together then evict each other's blocks every step. And at vLLM's CPU
   default block size ("block 128": budget 16 blocks, the top 13 by Quest's bound, default pool 8 x 13 + 3 = 107
   blocks per row), the block size a vLLM user of compressed mode gets without `block_size`; Quest's bound is then
-  kept per 128 tokens (a coarser choice: docs/quality.md measures quality at block 16).
+  kept per 128 tokens (a coarser choice: docs/quality.md measures quality at block 16 and 128).
 - vLLM CPU_ATTN (`torch.ops._C`, as vllm/v1/attention/backends/cpu_attn.py calls it): `get_scheduler_metadata`
   (its builder's per-step work), `cpu_attn_reshape_and_cache` of the new tokens, `cpu_attention_with_kv_cache`.
   At block 16 (ISA vec16, the same geometry as ActiveKV) and at block 128, vLLM's CPU default: vLLM's CPU_ATTN

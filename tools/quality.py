@@ -1,40 +1,45 @@
-"""Measure compressed mode's quality and write docs/quality.md.
+"""Measure compressed mode's quality on the real model and write docs/quality.md with its plots.
 
-`python -m tools.quality [--model build/tiny-trained] [--out docs/quality.md] [--json build/quality/quality.json]
-[--parts abcd]` (what `make quality` runs after `python -m tools.train_tiny`):
+    python -m tools.quality            # what `make quality` runs: measure, write docs/data/quality.json, render
+    python -m tools.quality --quick    # 1k contexts, one budget, three engines: a few minutes, for development
+    python -m tools.quality --render   # render docs/quality.md and docs/img/quality_*.png from the JSON only
 
-(a) Planted needle, through the native engine: noise keys everywhere and one block whose keys point along the decode
-    query; the fraction of (trial, KV head) where that block is among the attended blocks, for every candidate needle
-    position at several context lengths and budgets, and for needles of decreasing strength.
-(b) Attention-output error on real activations: vLLM (in this process, ActiveKV exact mode) generates on the trained
-    model from held-out prompts of 2048 tokens while `tools.capture` records every layer's query, step plan and KV
-    blocks at a few decode steps; each (step, layer, request row) is replayed on fresh native engines, exact and
-    compressed with budgets of 1/16, 1/8 and 1/4 of that row's context. Reported per query head:
-    relative L2 error and cosine similarity of the compressed output against the exact one, and the share of the exact
-    softmax mass that falls in the attended blocks; two selections computed in Python next to Quest's give a floor
-    and a ceiling at the same budget: a static window (sink + most recent blocks) and an oracle (the blocks with the
-    most exact attention mass, summed over the group's query heads).
-(c) Greedy token agreement in vLLM: the same prompts, 256 new tokens, compressed at the three budgets against exact.
-    Prefix agreement = (index of the first differing token) / 256, averaged over prompts (1.0 when all agree);
-    positionwise agreement = share of positions with equal tokens (the more lenient figure: byte-level continuations
-    can fall back into step after one differing token). At the first difference, the exact run's margin between its
-    top two tokens says how near a tie it was. A CPU_ATTN run against ActiveKV exact gives the floor that rounding
-    alone leaves. The compressed run at 1/4 also has three steps recorded and replayed on fresh engines (item 8 on
-    the trained model).
-(d) Attention spread evenly: synthetic counting (one query that matches marker keys spread through the context; the
-    output's first coordinate is the attention mass on markers, i.e. a soft count) and fully uniform attention; and
-    the trained model on a repetitive prompt (one line repeated) replayed as in (b).
+SmolLM2-135M-Instruct (tools/real_model.py, float32) in vLLM 0.32.0 in this process, vLLM's default compiled mode, one
+engine per configuration, one after the other: stock vLLM (CPU_ATTN, its default block 128), ActiveKV exact mode
+(block 16, in place: the CPU default), and ActiveKV compressed mode at budgets 256, 512, 1024 and 2048 tokens at block
+16 and 512, 1024 and 2048 at block 128 (the smallest budget a block-128 layout takes with 1 sink and 2 recent blocks:
+the engine needs sink + recent + at least one selected block per KV head). Every engine gets all its prompts in one
+`generate` call, greedy, NEW_TOKENS new tokens, with prefix caching on and chunked prefill: the prompts are built to
+share long prefixes (tools/quality_tasks.py), which is what lets nine engines fit `make quality`'s 30 minutes on a
+2-core machine. The tasks and their scoring are in tools/quality_tasks.py; compressed mode is judged against exact
+mode's answers to the same prompts:
 
-Runtime on this 2-core machine: about 100 s when it is quiet, several times that when shared (five vLLM engine starts,
-each generating 256 tokens for nine prompts of about 2k tokens: eight held-out, one repetitive).
+- passkey: PASSKEY_STREAMS, every engine.
+- facts (multikey, splitkey, listing) and continuations: FACT_CONTEXTS and CONTINUATION_CONTEXTS, exact mode and the
+  block-16 budgets.
+- A prompt whose context (prompt + new tokens) fits a compressed engine's budget is not run there: a decode row
+  selects only when it holds more blocks than the budget (engine/src/step_plan.cpp, `selects`), so such a row
+  attends every block, as in exact mode, and its answer is exact mode's. The tables mark those cells.
+- Continuations: greedy agreement with exact mode up to the first differing token, and at that token the gap between
+  exact mode's logprob of its own choice and of compressed mode's (from exact's top LOGPROBS).
+- CPU_ATTN against exact: per passkey prompt, equal tokens, a difference allowed only after a near tie
+  (tools/real_text.py), and equal accuracy.
+
+Then the synthetic parts through the native engine (tools/quality_synthetic.py): a planted needle against its
+strength, and spread attention (a soft count over markers, uniform attention).
+
+The JSON (docs/data/quality.json, committed) holds the command, machine, versions, commit, date, every prompt's
+answer and score per engine, and the timings; the page and its plots are rendered from it alone (`--render`), and
+tests/test_quality_tools.py checks that the committed page is what the committed JSON renders.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import platform
+import shlex
 import statistics
 import sys
 import time
@@ -43,713 +48,733 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from tools.quality_tasks import (
+    CONTINUATION, LISTING, MULTIKEY, PASSKEY, SPLITKEY, Builder, Case, continuation, facts, passkey_sentence,
+    passkey_stream, score, unique_tokens,
+)
 
-BLOCK_SIZE = 16
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data" / "quality.json"
+PAGE = ROOT / "docs" / "quality.md"
+IMG = ROOT / "docs" / "img"
+
+NEW_TOKENS = 24
+LOGPROBS = 5
 SINK_BLOCKS, RECENT_BLOCKS = 1, 2
-FRACTIONS = (16, 8, 4)  # budgets of 1/16, 1/8, 1/4 of the context
-PROMPT_TOKENS = 2048
-NUM_PROMPTS = 8
-NEW_TOKENS = 256
-CAPTURE_STEPS = (1, 64, 128, 192, 255)  # decode steps recorded for (b) (step 0 is the prefill)
-REPLAY_STEPS = (1, 128, 255)  # steps of the compressed 1/4 run replayed on fresh engines
-REPEATED_LINE = b"    total = total + count  # add the count\n"
-REPEATED_SHORTER = 8  # the repetitive prompt is this many tokens shorter: its batch row is told apart by seq_len
+BUDGETS = {16: (256, 512, 1024, 2048), 128: (512, 1024, 2048)}
+# (offset of the pass key in document tokens, the contexts cut from that document): a needle serves several lengths
+# at several depths (offset 1,800: about 90% of 2k, 45% of 4k, 25% of 7k). Sized for `make quality`'s 30 minutes:
+# every engine computes the 7k prompt (7,144 tokens), so 4k and 7k get one prompt each, 2k three and 1k two.
+PASSKEY_STREAMS: tuple[tuple[int, tuple[int, ...]], ...] = ((1800, (2048, 4096, 7168)), (900, (1024, 2048)),
+                                                            (300, (1024, 2048)))
+PASSKEY_SEED = 100  # needle i's key: passkey_sentence(PASSKEY_SEED + i)
+FACT_CONTEXTS = (1024, 2048)
+# The first needle's document, continued: its tokens are that needle's prompts' (no extra prefill).
+CONTINUATION_CONTEXTS = (1024, 2048, 4096, 7168)
+QUICK = {"streams": ((900, (1024,)), (500, (1024,)), (200, (1024,))), "facts": (1024,), "continuations": (1024,),
+         "budgets": {16: (512,)}}
+COMMON = {"max_model_len": 8192, "max_num_seqs": 32, "max_num_batched_tokens": 1024, "kv_cache_gib": 3,
+          "enable_prefix_caching": True}
+EXACT_RUN = "exact"
+CPU_ATTN_RUN = "cpu_attn"
+SHARED_MACHINE = ("The machine is shared with other engineers' builds and tests, so the timings vary from run to run "
+                  "with its load.")
 
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-# ----------------------------------------------------------------------------------------------------------- (a)
+# ----------------------------------------------------------------------------------------------------- the runs
 
-def planted_needle_recall(block_size: int, context_blocks: int, budget_blocks: int, trials: int,
-                          noise: float = 0.1, needle: float = 4.0,
-                          positions: Sequence[int] | None = None) -> float:
-    """Through the engine: noise keys everywhere, one block whose keys align with the decode query (the needle);
-    returns the fraction of (trial, KV head) where the needle block was among the attended blocks.
+@dataclass(frozen=True)
+class Run:
+    """One engine configuration. budget None: exact mode (ActiveKV) or stock vLLM (CPU_ATTN)."""
 
-    Geometry: 2 KV heads, GQA 4, head size 16, float32; sink 1 block, recent 1 block, the needle drawn uniformly from
-    the blocks in between (`positions`: one trial per listed block position instead, `trials` ignored).
-    noise: standard deviation of the noise keys; needle: the needle keys' length along each KV head's summed query.
+    name: str
+    backend: str
+    block_size: int
+    budget: int | None
+    tasks: tuple[str, ...]
 
-    Quest's bound is an upper bound: a block of noisy keys scores sum_d |q_d| * spread_d, so the needle must stand out
-    against the noise's per-dimension spread (noise 0.1, needle 4.0 by default). With noise 0.3 and needle 2.0 the
-    bound of noise blocks exceeded the needle's and recall was 0 (measured while writing tests/test_selection.py)."""
-    import activekv._backend as backend
-
-    kvh, gqa, d = 2, 4, 16
-    sink, recent = 1, 1
-    g = torch.Generator().manual_seed(context_blocks * 131 + block_size)
-    hits = total = 0
-    plan_positions: list[int | None] = list(positions) if positions is not None else [None] * trials
-    for fixed in plan_positions:
-        eng = backend.Engine(1, kvh * gqa, kvh, d, block_size, torch.float32, kvh * budget_blocks + 2, 2,
-                             mode="compressed", budget_tokens=budget_blocks * block_size, sink_blocks=sink,
-                             recent_blocks=recent)
-        seq = context_blocks * block_size
-        cache = torch.zeros(context_blocks, kvh, block_size, 2 * d)
-        q = torch.randn(1, kvh * gqa, d, generator=g)
-        keys = noise * torch.randn(seq, kvh, d, generator=g)
-        if fixed is None:
-            pos = int(torch.randint(sink, context_blocks - recent, (1,), generator=g))
-        else:
-            pos = int(fixed)
-            if not sink <= pos < context_blocks - recent:
-                raise ValueError(f"needle position {pos} must be in [{sink}, {context_blocks - recent})")
-        # keys of the needle block point along each head's (summed) query direction
-        direction = q.view(kvh, gqa, d).sum(1)
-        keys[pos * block_size:(pos + 1) * block_size] = needle * direction / direction.norm(dim=-1, keepdim=True)
-        table = torch.randperm(context_blocks, generator=g).to(torch.int32)
-        slots = (table.long().repeat_interleave(block_size) * block_size + torch.arange(seq) % block_size)
-        eng.update_kv(0, keys, torch.randn(seq, kvh, d, generator=g), cache, slots)
-        plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
-                         table[None], 1, 1)
-        eng.forward(0, plan, q, cache, torch.empty(1, kvh * gqa, d), d ** -0.5)
-        chosen = eng.selection(0)[0]
-        for h in range(kvh):
-            hits += int(int(table[pos]) in chosen[h].tolist())
-            total += 1
-    return hits / total
-
-
-def measure_needle() -> dict[str, Any]:
-    """(a): every candidate position at several context lengths and budgets; then recall against needle strength."""
-    grid = []
-    for context_blocks in (16, 32, 64, 128, 256):
-        for budget in sorted({max(context_blocks // frac, 3) for frac in FRACTIONS}):
-            positions = list(range(1, context_blocks - 1))
-            recall = planted_needle_recall(BLOCK_SIZE, context_blocks, budget, 0, positions=positions)
-            grid.append({"context_tokens": context_blocks * BLOCK_SIZE, "budget_blocks": budget,
-                         "positions": len(positions), "cases": 2 * len(positions), "recall": recall})
-    strength = []
-    for needle in (4.0, 2.0, 1.0, 0.5, 0.25):
-        recall = planted_needle_recall(BLOCK_SIZE, 128, 8, 64, noise=0.1, needle=needle)
-        strength.append({"needle": needle, "noise": 0.1, "context_tokens": 128 * BLOCK_SIZE, "budget_blocks": 8,
-                         "cases": 128, "recall": recall})
-    return {"grid": grid, "strength": strength}
-
-
-# ----------------------------------------------------------------------------------------------------------- (b)
-
-def _budget_tokens(seq: int, frac: int) -> int:
-    """Budget of 1/frac of a context of seq tokens, in whole blocks, at least sink + recent + 1 blocks."""
-    return max((seq // frac) // BLOCK_SIZE, SINK_BLOCKS + RECENT_BLOCKS + 1) * BLOCK_SIZE
-
-
-def _engine(spec: dict[str, Any], mode: str, budget_tokens: int = 2048) -> Any:
-    import activekv._backend as backend
-
-    kvh = spec["num_key_value_heads"]
-    k = budget_tokens // BLOCK_SIZE - SINK_BLOCKS - RECENT_BLOCKS
-    pool = max(256, kvh * k + SINK_BLOCKS + RECENT_BLOCKS)
-    return backend.Engine(1, spec["num_attention_heads"], kvh, spec["head_dim"], BLOCK_SIZE, torch.float32, pool, 16,
-                          mode=mode, budget_tokens=budget_tokens, sink_blocks=SINK_BLOCKS,
-                          recent_blocks=RECENT_BLOCKS)
-
-
-def _subset_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                      token_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, D], keys/values [S, KVH, D], token_mask bool [KVH, S] or None (all) -> (output [H, D] float64,
-    exact probabilities [H, S] float64 over all tokens)."""
-    h, d = q.shape
-    kvh = keys.shape[1]
-    g = h // kvh
-    k = keys.double().permute(1, 0, 2).repeat_interleave(g, 0)  # [H, S, D]
-    v = values.double().permute(1, 0, 2).repeat_interleave(g, 0)
-    logits = torch.einsum("hd,hsd->hs", q.double(), k) * scale
-    probs = torch.softmax(logits, -1)
-    if token_mask is not None:
-        logits = logits.masked_fill(~token_mask.repeat_interleave(g, 0), float("-inf"))
-    out = torch.einsum("hs,hsd->hd", torch.softmax(logits, -1), v)
-    return out, probs
-
-
-def _chosen(positions: torch.Tensor, nb: int) -> torch.Tensor:
-    """positions int64 [KVH, m] block positions in the row -> bool [KVH, nb]."""
-    return torch.zeros(positions.shape[0], nb, dtype=torch.bool).scatter_(1, positions, True)
-
-
-def _token_mask(positions: torch.Tensor, nb: int, seq: int) -> torch.Tensor:
-    """positions int64 [KVH, m] -> bool [KVH, seq]: the tokens of the chosen blocks."""
-    return _chosen(positions, nb).repeat_interleave(BLOCK_SIZE, 1)[:, :seq]
-
-
-def _mass_recall(block_mass: torch.Tensor, positions: torch.Tensor) -> list[float]:
-    """block_mass [KVH, G, nb] exact softmax mass per query head and block; positions [KVH, m] -> per query head
-    (KV head major) the mass inside the chosen blocks."""
-    kvh, g, nb = block_mass.shape
-    return (block_mass * _chosen(positions, nb)[:, None, :]).sum(-1).reshape(-1).tolist()
-
-
-def _errors(got: torch.Tensor, want: torch.Tensor) -> tuple[list[float], list[float]]:
-    """Per head: relative L2 error and cosine similarity of got against want ([H, D])."""
-    got, want = got.double(), want.double()
-    rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).tolist()
-    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1).tolist()
-    return rel, cos
-
-
-def replay_quality(calls: Sequence[Any], spec: dict[str, Any], rows: Callable[[Any], list[int]]) -> dict[str, Any]:
-    """(b) on recorded decode calls: per method and budget, rel. error / cosine / attention-mass recall lists."""
-    from tools.capture import replay
-
-    kvh, g = spec["num_key_value_heads"], spec["num_attention_heads"] // spec["num_key_value_heads"]
-    res: dict[str, dict[str, list[float]]] = {}
-
-    def add(key: str, rel: list[float], cos: list[float], mass: list[float], layer: int) -> None:
-        r = res.setdefault(key, {"rel": [], "cos": [], "mass": []})
-        r["rel"] += rel
-        r["cos"] += cos
-        r["mass"] += mass
-        r.setdefault(f"rel_layer{layer}", []).extend(rel)
-
-    for call in calls:
-        for r in rows(call):
-            exact = replay(call, _engine(spec, "exact"), rows=[r]).output[0]  # [H, D]
-            keys, values, _ = call.row_kv(r)
-            seq, nb = keys.shape[0], -(-keys.shape[0] // BLOCK_SIZE)
-            q = call.query[call.query_start_loc[r]]
-            full, probs = _subset_attention(q, keys, values, call.scale, None)
-            # exact softmax mass per (KV head, query head of its group, block)
-            mass = torch.nn.functional.pad(probs, (0, nb * BLOCK_SIZE - seq)).view(kvh, g, nb, BLOCK_SIZE).sum(-1)
-            pos_of = {int(b): i for i, b in enumerate(call.row_blocks(r).tolist())}
-            for frac in FRACTIONS:
-                budget = _budget_tokens(seq, frac)
-                per_head = budget // BLOCK_SIZE
-                top_k = per_head - SINK_BLOCKS - RECENT_BLOCKS
-                got = replay(call, _engine(spec, "compressed", budget), rows=[r])
-                if 0 not in got.selection:  # context within the budget: ran exact
-                    continue
-                sel = got.selection[0].apply_(lambda b: pos_of[b])  # [KVH, per_head] positions
-                rel, cos = _errors(got.output[0], exact)
-                add(f"quest/{frac}", rel, cos, _mass_recall(mass, sel), call.layer)
-                # the same selection in float64 Python: checks that the window and oracle rows compare like with like
-                out, _ = _subset_attention(q, keys, values, call.scale, _token_mask(sel, nb, seq))
-                add("quest_vs_float64", _errors(got.output[0], out)[0], [], [], call.layer)
-                fixed = list(range(SINK_BLOCKS)) + list(range(nb - RECENT_BLOCKS, nb))
-                cand = torch.tensor([b for b in range(nb) if b not in fixed])
-                window = torch.tensor(list(range(SINK_BLOCKS)) + list(range(nb - per_head + SINK_BLOCKS, nb)))
-                group_mass = mass.sum(1)  # [KVH, nb]
-                oracle = torch.stack([
-                    torch.cat([torch.tensor(fixed), cand[group_mass[h, cand].topk(top_k).indices]]) for h in range(kvh)
-                ])
-                for name, positions in (("window", window.expand(kvh, -1)), ("oracle", oracle)):
-                    out, _ = _subset_attention(q, keys, values, call.scale, _token_mask(positions, nb, seq))
-                    rel, cos = _errors(out, exact)
-                    add(f"{name}/{frac}", rel, cos, _mass_recall(mass, positions), call.layer)
-            # sanity: the engine's exact output against float64 attention (context for the error figures)
-            rel, _ = _errors(exact, full)
-            add("exact_vs_float64", rel, [], [], call.layer)
-    return res
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    if not values:
-        return {}
-    s = sorted(values)
-    return {"n": len(s), "mean": statistics.fmean(s), "median": statistics.median(s),
-            "p95": s[min(len(s) - 1, math.ceil(0.95 * len(s)) - 1)], "p5": s[max(0, math.floor(0.05 * len(s)))],
-            "min": s[0], "max": s[-1]}
-
-
-# ----------------------------------------------------------------------------------------------------------- (c)
-
-@dataclass
-class Agreement:
-    prefix: list[float]  # per prompt: first differing index / n (1.0 when equal)
-    positionwise: list[float]
-    margins: list[float | None]  # per prompt: the reference run's top-1 - top-2 logprob where the first difference is
-
-    @staticmethod
-    def of(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]],
-           want_top: Sequence[Sequence[dict[int, float]]]) -> Agreement:
-        """got / want: generated token ids per prompt; want_top: the reference run's top logprobs per position."""
-        prefix, pos, margins = [], [], []
-        for a, b, top in zip(got, want, want_top):
-            n = len(b)
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n)
-            prefix.append(first / n)
-            pos.append(sum(x == y for x, y in zip(a, b)) / n)
-            best = sorted(top[first].values(), reverse=True) if first < n else []
-            margins.append(best[0] - best[1] if len(best) >= 2 else None)
-        return Agreement(prefix, pos, margins)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"prefix": self.prefix, "positionwise": self.positionwise, "margins_at_divergence": self.margins,
-                "prefix_mean": statistics.fmean(self.prefix), "positionwise_mean": statistics.fmean(self.positionwise)}
-
-
-def make_prompts() -> tuple[list[list[int]], list[int]]:
-    """NUM_PROMPTS held-out prompts of PROMPT_TOKENS (BOS + bytes from evenly spaced offsets of the held-out text),
-    plus the repetitive prompt (BOS + REPEATED_LINE repeated, PROMPT_TOKENS - REPEATED_SHORTER tokens) for (d)."""
-    from tools.train_tiny import BOS, heldout_tokens
-
-    held = heldout_tokens()
-    span = len(held) - PROMPT_TOKENS
-    prompts = [[BOS] + held[i * span // NUM_PROMPTS:i * span // NUM_PROMPTS + PROMPT_TOKENS - 1]
-               for i in range(NUM_PROMPTS)]
-    line = list(REPEATED_LINE)
-    repeated = [BOS] + (line * (PROMPT_TOKENS // len(line) + 1))[:PROMPT_TOKENS - REPEATED_SHORTER - 1]
-    return prompts, repeated
-
-
-def agreement(got: Any, exact: Any, real: bool) -> dict[str, Any]:
-    """Agreement of two `tools.vllm_run.Generation`s over the held-out prompts (real) or the repetitive one."""
-    part = slice(0, NUM_PROMPTS) if real else slice(NUM_PROMPTS, None)
-    return Agreement.of(got.token_ids[part], exact.token_ids[part], exact.top_logprobs[part]).as_dict()
-
-
-def measure_vllm(model: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """(b), (c) and the natural half of (d): one exact run with capture, CPU_ATTN, three compressed runs."""
-    from tools.capture import capture, replay
-    from tools.vllm_run import ACTIVEKV, CPU_ATTN, EngineConfig, VllmEngine, activekv_status
-
-    available, why = activekv_status()
-    if not available:
-        raise RuntimeError(why)
-    prompts, repeated = make_prompts()
-    batch = prompts + [repeated]
-    common = {"max_model_len": PROMPT_TOKENS + NEW_TOKENS + BLOCK_SIZE,
-              "max_num_batched_tokens": (NUM_PROMPTS + 1) * PROMPT_TOKENS,
-              "kv_cache_gib": 1}
-    out: dict[str, Any] = {"prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "prompts": len(prompts),
-                           "num_kv_heads": spec["num_key_value_heads"]}
-    timings: dict[str, float] = {}
-
-    t0 = time.monotonic()
-    exact_cfg = EngineConfig(model, backend=ACTIVEKV, activekv={"mode": "exact"}, block_size=BLOCK_SIZE, **common)
-    with VllmEngine(exact_cfg) as engine, capture(keep=lambda step, plan: step in CAPTURE_STEPS) as rec:
-        exact = engine.generate(batch, NEW_TOKENS, logprobs=2)
-    timings["exact_run_s"] = time.monotonic() - t0
-    _log(f"exact run: {timings['exact_run_s']:.0f} s, {len(rec.calls)} layer forwards recorded")
-
-    t0 = time.monotonic()
-    def rows_of(prompt_len: int) -> Callable[[Any], list[int]]:
-        # vLLM orders batch rows itself: a row is told by its context length (prompt + decode step)
-        return lambda call: [r for r in range(call.num_reqs) if int(call.seq_lens[r]) == prompt_len + call.step]
-
-    out["replay"] = replay_quality(rec.calls, spec, rows_of(PROMPT_TOKENS))
-    out["replay_repeated"] = replay_quality(rec.calls, spec, rows_of(PROMPT_TOKENS - REPEATED_SHORTER))
-    out["replay_cases"] = {"steps": list(CAPTURE_STEPS), "layers": spec["num_hidden_layers"], "rows": len(prompts)}
-    timings["replay_s"] = time.monotonic() - t0
-    del rec
-    _log(f"replays: {timings['replay_s']:.0f} s")
-
-    t0 = time.monotonic()
-    with VllmEngine(EngineConfig(model, backend=CPU_ATTN, **common)) as engine:
-        stock = engine.generate(batch, NEW_TOKENS)
-    timings["cpu_attn_run_s"] = time.monotonic() - t0
-    out["cpu_attn_vs_exact"] = agreement(stock, exact, real=True)
-    out["cpu_attn_vs_exact_repeated"] = agreement(stock, exact, real=False)
-
-    out["compressed"] = {}
-    for frac in FRACTIONS:
-        budget = _budget_tokens(PROMPT_TOKENS, frac)
-        opts = {"mode": "compressed", "budget_tokens": budget, "sink_blocks": SINK_BLOCKS,
+    def options(self) -> dict[str, Any] | None:
+        if self.backend == "CPU_ATTN":
+            return None
+        if self.budget is None:
+            return {"mode": "exact"}
+        return {"mode": "compressed", "budget_tokens": self.budget, "sink_blocks": SINK_BLOCKS,
                 "recent_blocks": RECENT_BLOCKS}
-        cfg = EngineConfig(model, backend=ACTIVEKV, activekv=opts, block_size=BLOCK_SIZE, **common)
-        keep = (lambda step, plan: step in REPLAY_STEPS) if frac == 4 else (lambda step, plan: False)
-        t0 = time.monotonic()
-        with VllmEngine(cfg) as engine, capture(keep=keep) as rec:
-            gen = engine.generate(batch, NEW_TOKENS)
-        timings[f"compressed_1_{frac}_run_s"] = time.monotonic() - t0
-        tel = gen.telemetry or {}
-        entry = {
-            "budget_tokens": budget,
-            "agreement": agreement(gen, exact, real=True),
-            "agreement_repeated": agreement(gen, exact, real=False),
-            "telemetry": {k: tel.get(k, 0) for k in ("compressed_rows", "compressed_context_blocks",
-                                                      "selected_blocks", "union_blocks")},
-        }
-        if rec.calls:
-            entry["replay_check"] = replay_check(rec.calls, spec, opts)
-        out["compressed"][str(frac)] = entry
-        _log(f"compressed 1/{frac}: prefix agreement {entry['agreement']['prefix_mean']:.3f}, "
-             f"{timings[f'compressed_1_{frac}_run_s']:.0f} s")
-    out["timings_s"] = {k: round(v, 1) for k, v in timings.items()}
+
+    def fits(self, case: Case) -> bool:
+        """Whether the case's whole context fits this compressed engine's budget (then it runs exact)."""
+        return self.budget is not None and case.context <= self.budget
+
+
+ALL_TASKS = (PASSKEY, MULTIKEY, SPLITKEY, LISTING, CONTINUATION)
+
+
+def runs(budgets: dict[int, tuple[int, ...]]) -> list[Run]:
+    """CPU_ATTN (passkey), exact (everything), then compressed per block size and budget: block 16 everything,
+    other block sizes the passkey."""
+    out = [Run(CPU_ATTN_RUN, "CPU_ATTN", 128, None, (PASSKEY,)), Run(EXACT_RUN, "ACTIVEKV", 16, None, ALL_TASKS)]
+    for block, bs in sorted(budgets.items()):
+        out += [Run(f"b{block}/{b}", "ACTIVEKV", block, b, ALL_TASKS if block == 16 else (PASSKEY,)) for b in bs]
     return out
 
 
-def replay_check(calls: Sequence[Any], spec: dict[str, Any], opts: dict[str, Any]) -> dict[str, Any]:
-    """Item 8 on the trained model: recorded layer forwards of a compressed run against fresh engines' replays.
+def build_cases(b: Builder, streams: Sequence[tuple[int, Sequence[int]]], fact_contexts: Sequence[int],
+                continuation_contexts: Sequence[int]) -> list[Case]:
+    """Every prompt, seeded: passkey needles, facts documents, continuations."""
+    cases = [c for i, (offset, contexts) in enumerate(streams)
+             for c in passkey_stream(b, offset, contexts, NEW_TOKENS, seed=PASSKEY_SEED + i)]
+    cases += [c for i, ctx in enumerate(fact_contexts) for c in facts(b, ctx, NEW_TOKENS, seed=200 + i)]
+    # the first needle's document: the continuations share their tokens with its prompts
+    needle = [(streams[0][0], passkey_sentence(PASSKEY_SEED)[1])]
+    cases += [continuation(b, ctx, NEW_TOKENS, needle) for ctx in continuation_contexts]
+    names = [c.name for c in cases]
+    if len(set(names)) != len(names):
+        raise ValueError(f"case names must be unique: {names}")
+    return cases
 
-    A fresh native engine with the run's options must give bit-equal outputs and equal selections. The reference
-    (`RefEngine`) mirrors the engine's ATen tile path: its selections must be equal; its outputs are bit-equal when
-    the run used that path, and differ by rounding when the engine computed tiles with its native kernel (an engine
-    with a `kernel` option, default "native"), so the largest absolute difference is reported."""
+
+def run_engine(model: str, run: Run, cases: Sequence[Case], tokenizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Start the engine, generate for its cases (longest first), close it. Returns (the run's JSON record, {case
+    name: (token ids, top logprobs per position)} for the agreement figures)."""
+    from tools.real_model import answer_text
+    from tools.vllm_run import EngineConfig, VllmEngine
+
+    todo = sorted((c for c in cases if c.task in run.tasks and not run.fits(c)), key=lambda c: -len(c.prompt))
+    config = EngineConfig(model, backend=run.backend, activekv=run.options(),
+                          block_size=None if run.backend == "CPU_ATTN" else run.block_size, **COMMON)
+    t0 = time.monotonic()
+    with VllmEngine(config) as engine:
+        t1 = time.monotonic()
+        gen = engine.generate([list(c.prompt) for c in todo], NEW_TOKENS, logprobs=LOGPROBS, chunked=True)
+        t2 = time.monotonic()
+    t3 = time.monotonic()
+    results, raw = {}, {}
+    for i, c in enumerate(todo):
+        text = answer_text(tokenizer, gen.token_ids[i])
+        entry: dict[str, Any] = {"text": text, "tokens": gen.token_ids[i]}
+        if c.task != CONTINUATION:
+            entry["score"] = score(c, text)
+        results[c.name] = entry
+        raw[c.name] = (gen.token_ids[i], gen.top_logprobs[i])
+    tel = gen.telemetry or {}
+    record = {
+        "backend": run.backend, "block_size": run.block_size, "budget": run.budget, "tasks": list(run.tasks),
+        "options": run.options(), "prompts": len(todo),
+        "prompt_tokens": sum(len(c.prompt) for c in todo),
+        "unique_prompt_tokens": unique_tokens([c.prompt for c in todo], run.block_size),
+        "steps": gen.steps, "step_tokens": gen.step_tokens, "start_s": round(t1 - t0, 1),
+        "generate_s": round(t2 - t1, 1), "close_s": round(t3 - t2, 1), "results": results,
+        "not_run": sorted(c.name for c in cases if c.task in run.tasks and run.fits(c)),
+        "telemetry": {k: tel[k] for k in ("compressed_rows", "compressed_context_blocks", "selected_blocks")
+                      if k in tel},
+    }
+    _log(f"{run.name}: {len(todo)} prompts, {record['unique_prompt_tokens']} prompt tokens to compute, start "
+         f"{record['start_s']:.0f} s, generate {record['generate_s']:.0f} s")
+    return record, raw
+
+
+def first_difference(want: Sequence[int], got: Sequence[int]) -> int | None:
+    """Index of the first differing token, None when equal (compared over the shorter)."""
+    return next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+
+
+def continuation_agreement(exact: tuple[list[int], list[dict[int, float]]], got: Sequence[int]) -> dict[str, Any]:
+    """Where a compressed continuation first differs from exact mode's, and how far apart exact mode held the two
+    tokens there: `gap` = exact's logprob of its token - exact's logprob of compressed's token (None when that token
+    is not in exact's top LOGPROBS: then the gap exceeds `gap_at_least`, exact's top-1 - its last listed), and
+    `top2_gap` = exact's top-1 - top-2 (how near a tie the position was)."""
+    ids, top = exact
+    i = first_difference(ids, got)
+    if i is None:
+        return {"first_difference": None, "agreement": 1.0}
+    ranked = sorted(top[i].values(), reverse=True)
+    own = top[i][ids[i]]
+    other = top[i].get(got[i])
+    return {"first_difference": i, "agreement": i / len(ids), "top2_gap": ranked[0] - ranked[1],
+            "gap": None if other is None else own - other, "gap_at_least": own - ranked[-1]}
+
+
+def measure(model: Path, quick: bool) -> dict[str, Any]:
+    """Every engine of `runs`, then the agreement figures; the synthetic parts; a JSON-ready dict."""
+    from transformers import AutoTokenizer
+
+    from tools.real_text import agreement
+    from tools import quality_synthetic as synthetic
+
+    t_start = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    b = Builder(tokenizer)
+    q = QUICK if quick else {"streams": PASSKEY_STREAMS, "facts": FACT_CONTEXTS,
+                             "continuations": CONTINUATION_CONTEXTS, "budgets": BUDGETS}
+    cases = build_cases(b, q["streams"], q["facts"], q["continuations"])
+    plan = runs(q["budgets"])
+    records: dict[str, Any] = {}
+    raws: dict[str, Any] = {}
+    for run in plan:
+        records[run.name], raws[run.name] = run_engine(str(model), run, cases, tokenizer)
+    exact = records[EXACT_RUN]["results"]
+    # The cells a budget covers whole are exact mode's (module docstring).
+    for run in plan:
+        for name in records[run.name]["not_run"]:
+            records[run.name]["results"][name] = {**exact[name], "within_budget": True}
+    stock = raws[CPU_ATTN_RUN]
+    vs_stock = {}
+    for name, (ids, top) in stock.items():
+        a = agreement(ids, top, *raws[EXACT_RUN][name])
+        vs_stock[name] = {"equal": a.equal, "ok": a.ok, "first_difference": a.first_difference, "gap": a.gap,
+                          "max_logprob_diff": a.max_logprob_diff}
+    agree: dict[str, dict[str, Any]] = {}
+    for run in plan:
+        if run.budget is None or CONTINUATION not in run.tasks:
+            continue
+        agree[run.name] = {c.name: ({"first_difference": None, "agreement": 1.0, "within_budget": True}
+                                    if run.fits(c) else
+                                    continuation_agreement(raws[EXACT_RUN][c.name], raws[run.name][c.name][0]))
+                           for c in cases if c.task == CONTINUATION}
+    t_vllm = time.monotonic() - t_start
+    t0 = time.monotonic()
+    syn = {"needle": synthetic.needle_strength(), "spread": synthetic.measure_spread()}
+    t_syn = time.monotonic() - t0
+    return {
+        "cases": [{"name": c.name, "task": c.task, "context": c.context, "depth": c.depth,
+                   "prompt_tokens": len(c.prompt), "expected": list(c.expected), "asked": c.asked} for c in cases],
+        "runs": records, "cpu_attn_vs_exact": vs_stock, "continuation_agreement": agree, "synthetic": syn,
+        "timings_s": {"vllm": round(t_vllm, 1), "synthetic": round(t_syn, 1),
+                      "total": round(time.monotonic() - t_start, 1)},
+        "quick": quick,
+    }
+
+
+def provenance(argv: Sequence[str]) -> dict[str, Any]:
+    import torch
+    import transformers
+    import vllm
+
     import activekv._backend as backend
+    from tools.bench import git_commit, machine_info
+    from tools.real_model import PACKAGE, SPEC
 
-    from tests.reference.engine import RefEngine
-    from tools.capture import replay
-
-    kvh = spec["num_key_value_heads"]
-    k = opts["budget_tokens"] // BLOCK_SIZE - SINK_BLOCKS - RECENT_BLOCKS
-    pool = max(256, kvh * k + SINK_BLOCKS + RECENT_BLOCKS)
-    args = (1, spec["num_attention_heads"], kvh, spec["head_dim"], BLOCK_SIZE, torch.float32, pool, 16)
-    kw = {"mode": "compressed", "budget_tokens": opts["budget_tokens"], "sink_blocks": SINK_BLOCKS,
-          "recent_blocks": RECENT_BLOCKS}
-    native = backend.Engine(*args, **kw)
-    result: dict[str, Any] = {"calls": len(calls), "kernel": str(getattr(native, "kernel", "aten")),
-                              "native_equal": 0, "native_selections_equal": 0, "reference_equal": 0,
-                              "reference_selections_equal": 0, "reference_max_abs_diff": 0.0}
-
-    def same(a: dict[int, torch.Tensor], b: dict[int, torch.Tensor]) -> bool:
-        return sorted(a) == sorted(b) and all(torch.equal(a[r], b[r]) for r in b)
-
-    for call in calls:
-        nat = replay(call, backend.Engine(*args, **kw))
-        ref = replay(call, RefEngine(*args, **kw))
-        result["native_equal"] += int(torch.equal(nat.output, call.output))
-        result["native_selections_equal"] += int(same(nat.selection, call.selection))
-        result["reference_equal"] += int(torch.equal(ref.output, call.output))
-        result["reference_selections_equal"] += int(same(ref.selection, call.selection))
-        result["reference_max_abs_diff"] = max(result["reference_max_abs_diff"],
-                                               float((ref.output - call.output).abs().max()))
-    return result
+    return {
+        "tool": "tools.quality", "command": shlex.join(["python", "-m", "tools.quality", *argv]),
+        "date": time.strftime("%Y-%m-%d"), "commit": git_commit(), "machine": machine_info(),
+        "versions": {"activekv": backend.__version__, "torch": torch.__version__, "vllm": vllm.__version__,
+                     "transformers": transformers.__version__, "python": platform.python_version()},
+        "model": {"name": "SmolLM2-135M-Instruct", "package": PACKAGE, **SPEC},
+        "setup": {"new_tokens": NEW_TOKENS, "logprobs": LOGPROBS, "sink_blocks": SINK_BLOCKS,
+                  "recent_blocks": RECENT_BLOCKS, **{k: v for k, v in COMMON.items()}},
+    }
 
 
-# ----------------------------------------------------------------------------------------------------------- (d)
+# --------------------------------------------------------------------------------------------------- reading
 
-def measure_spread() -> dict[str, Any]:
-    """(d), synthetic, through native engines: counting and uniform attention at budgets 1/16, 1/8, 1/4.
-
-    Context 2048 tokens, 2 KV heads, GQA 4, head size 32. Counting: every `period`-th token is a marker whose key is
-    2.0 * u (u a unit vector), the others carry noise keys (0.1 * N(0, 1)); the query is 8.0 * u for every head, so a
-    marker outscores a non-marker by about 16 * scale = 2.8 logits; values are e_0 on markers and 0 elsewhere. The exact
-    output's coordinate 0 is the attention mass on markers, a soft count of them. Uniform: every key equal, values
-    N(0, 1); the exact output is the mean of all values.
-    """
-    import activekv._backend as backend
-
-    kvh, gqa, d, seq = 2, 4, 32, 2048
-    nb = seq // BLOCK_SIZE
-    scale = d ** -0.5
-    g = torch.Generator().manual_seed(7)
-    u = torch.randn(d, generator=g)
-    u /= u.norm()
-    q = (8.0 * u).expand(1, kvh * gqa, d).contiguous()
-    table = torch.randperm(nb, generator=g).to(torch.int32)
-    slots = table.long().repeat_interleave(BLOCK_SIZE) * BLOCK_SIZE + torch.arange(seq) % BLOCK_SIZE
-
-    def run(keys: torch.Tensor, values: torch.Tensor, mode: str, budget: int) -> torch.Tensor:
-        k = budget // BLOCK_SIZE - SINK_BLOCKS - RECENT_BLOCKS
-        eng = backend.Engine(1, kvh * gqa, kvh, d, BLOCK_SIZE, torch.float32, max(256, kvh * k + 3), 16, mode=mode,
-                             budget_tokens=budget, sink_blocks=SINK_BLOCKS, recent_blocks=RECENT_BLOCKS)
-        cache = torch.zeros(nb, kvh, BLOCK_SIZE, 2 * d)
-        eng.update_kv(0, keys, values, cache, slots)
-        plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
-                         table[None], 1, 1)
-        out = torch.zeros(1, kvh * gqa, d)
-        eng.forward(0, plan, q, cache, out, scale)
-        return out[0]
-
-    counting = []
-    for period in (16, 32, 64, 128, 256, 1024):
-        keys = 0.1 * torch.randn(seq, kvh, d, generator=g)
-        values = torch.zeros(seq, kvh, d)
-        marks = torch.arange(period // 2, seq, period)
-        keys[marks] = 2.0 * u
-        values[marks, :, 0] = 1.0
-        exact = run(keys, values, "exact", 2048)[:, 0]
-        row = {"markers": int(marks.numel()), "marker_blocks": int(torch.unique(marks // BLOCK_SIZE).numel()),
-               "exact_mass": float(exact.mean()), "budgets": {}}
-        for frac in FRACTIONS:
-            budget = seq // frac
-            got = run(keys, values, "compressed", budget)[:, 0]
-            row["budgets"][str(frac)] = {"budget_blocks": budget // BLOCK_SIZE, "mass": float(got.mean()),
-                                         "rel_error": float(((got - exact).abs() / exact).mean())}
-        counting.append(row)
-    keys = torch.ones(seq, kvh, d) * 0.5
-    values = torch.randn(seq, kvh, d, generator=g)
-    exact = run(keys, values, "exact", 2048)
-    uniform = {}
-    for frac in FRACTIONS:
-        got = run(keys, values, "compressed", seq // frac)
-        rel, cos = _errors(got, exact)
-        uniform[str(frac)] = {"rel_error_mean": statistics.fmean(rel), "cosine_mean": statistics.fmean(cos)}
-    return {"counting": counting, "uniform": uniform, "context_tokens": seq}
+def case_index(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in data["cases"]}
 
 
-# ----------------------------------------------------------------------------------------------------------- report
+def run_names(data: dict[str, Any], task: str) -> list[str]:
+    """The runs that answered `task`, in run order."""
+    return [name for name, r in data["runs"].items() if task in r["tasks"]]
+
+
+def accuracy(data: dict[str, Any], run: str, task: str, context: int | None = None) -> tuple[float, int]:
+    """(mean score, number of prompts) of one run on one task, optionally at one context length."""
+    cases = case_index(data)
+    scores = [r["score"] for name, r in data["runs"][run]["results"].items()
+              if cases[name]["task"] == task and (context is None or cases[name]["context"] == context)]
+    return (statistics.fmean(scores) if scores else float("nan")), len(scores)
+
+
+def contexts_of(data: dict[str, Any], task: str) -> list[int]:
+    return sorted({c["context"] for c in data["cases"] if c["task"] == task})
+
+
+def run_label(data: dict[str, Any], run: str) -> str:
+    r = data["runs"][run]
+    if r["backend"] == "CPU_ATTN":
+        return "CPU_ATTN"
+    if r["budget"] is None:
+        return "exact"
+    return f"{r['budget']} @{r['block_size']}"
+
+
+def below_target(data: dict[str, Any], ratio: float = 0.95) -> list[dict[str, Any]]:
+    """Every (task, run, context or None for all) where compressed mode's accuracy is below `ratio` x exact's (and
+    exact's is above 0)."""
+    out = []
+    for task in (PASSKEY, MULTIKEY, SPLITKEY, LISTING):
+        for run in run_names(data, task):
+            if data["runs"][run]["budget"] is None:
+                continue
+            for ctx in [None, *contexts_of(data, task)]:
+                want, n = accuracy(data, EXACT_RUN, task, ctx)
+                got, _ = accuracy(data, run, task, ctx)
+                if n and want > 0 and got < ratio * want:
+                    out.append({"task": task, "run": run, "context": ctx, "exact": want, "compressed": got, "n": n})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- rendering
+
+GENERATED = ("<!-- Generated by `python -m tools.quality` from docs/data/quality.json (`--render` re-renders it): "
+             "change the data or tools/quality.py, then run it. -->")
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else f"{tokens / 1024:.1f}k"
+
 
 def _pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
+    return "-" if x != x else f"{100 * x:.0f}%"
 
 
-def render(results: dict[str, Any], command: str) -> str:
-    """docs/quality.md from the results dict."""
-    lines = ["# ActiveKV compressed mode: measured quality", "",
-             f"Made by `{command}` (`make quality` trains the model first if needed, then runs this). Machine: "
-             f"{results['machine']}. Figures are from the run recorded in `build/quality/quality.json`.", "",
-             "Compressed mode: each decode row attends, per KV head, `sink_blocks` = 1 first block, `recent_blocks` = "
-             f"2 last blocks and the top `k = budget / {BLOCK_SIZE} - 3` other blocks by Quest's bound "
-             "(`engine/include/activekv/admission.h`); prefill and contexts within the budget run exactly. "
-             f"Block size {BLOCK_SIZE} throughout.", ""]
-    lines += _headline(results)
-    model = results.get("model")
-    if model:
-        res = model["result"]
-        sp = model["spec"]
-        lines += ["## The model", "",
-                  f"`python -m tools.train_tiny build/tiny-trained`: Llama, {sp['num_hidden_layers']} layers, hidden "
-                  f"{sp['hidden_size']}, {sp['num_attention_heads']} query heads / {sp['num_key_value_heads']} KV "
-                  "heads "
-                  f"(head size {sp['head_dim']}), MLP {sp['intermediate_size']}, byte-level vocab {sp['vocab_size']}, "
-                  f"{res['parameters']:,} parameters. Trained {sp['steps'] - sp['long_steps']} steps x "
-                  f"{sp['batch_size']} windows of {sp['seq_len']} tokens, then {sp['long_steps']} steps x "
-                  f"{sp['long_batch_size']} windows "
-                  f"of {sp['long_seq_len']} ({res['train_tokens']:,} tokens; `tools/train_tiny.py` says why the "
-                  "long phase) on the top-level `*.py` files of "
-                  f"Python {sp['python']}'s standard library ({sp['corpus_files']} files, every tenth held out: "
-                  f"{res['heldout_bytes']:,} bytes), seed {sp['seed']}, {sp['threads']} threads: "
-                  f"**{res['train_seconds']:.0f} s** of training on this machine.", "",
-                  "| | windows of 512 tokens | windows of 2048 tokens | 2048, positions >= 512 only |",
-                  "|---|---|---|---|",
-                  f"| held-out loss (nats/byte) | {res['heldout_loss_512']:.3f} "
-                  f"({res['heldout_loss_512'] / math.log(2):.2f} bits/byte) | "
-                  f"{res['heldout_loss_2048']:.3f} | {res['heldout_loss_2048_positions_ge_512']:.3f} |", ""]
-    a = results.get("needle")
-    if a:
-        total = sum(r["cases"] for r in a["grid"])
-        hits = sum(r["recall"] * r["cases"] for r in a["grid"])
-        lines += ["## (a) Planted needle", "",
-                  "`tools.quality.planted_needle_recall` (also `tests/test_selection.py`): through the native engine, "
-                  "noise keys (std 0.1) and one needle block whose keys point along the query (length 4.0), 2 KV "
-                  "heads x GQA 4, head size 16; sink 1 and recent 1 block. Every candidate needle position, each "
-                  "context length, budgets 1/16, 1/8, 1/4 of the context (at least 3 blocks):", "",
-                  "| context (tokens) | budget (blocks) | needle positions | recall |", "|---|---|---|---|"]
-        lines += [f"| {r['context_tokens']} | {r['budget_blocks']} | {r['positions']} | {_pct(r['recall'])} |"
-                  for r in a["grid"]]
-        lines += ["", f"**{_pct(hits / total)}** of {total} (position, KV head) cases.", "",
-                  "Needle strength (random positions, 64 trials x 2 KV heads, context 2048, budget 8 blocks): "
-                  "the bound of a noise block grows with the noise's spread, so a weak needle is missed.", "",
-                  "| needle length | noise std | recall |", "|---|---|---|"]
-        lines += [f"| {r['needle']} | {r['noise']} | {_pct(r['recall'])} |" for r in a["strength"]]
-        lines.append("")
-    v = results.get("vllm")
-    if v:
-        lines += _render_vllm(v, results)
-    s = results.get("spread")
-    if s:
-        lines += ["## (d) Attention spread evenly: where top-k selection degrades", "",
-                  f"Synthetic, through native engines (`tools.quality.measure_spread`): context {s['context_tokens']} "
-                  "tokens. **Counting**: marker tokens every `period` tokens, each with the same key, the query "
-                  "matching it; values 1 on markers (coordinate 0), so the exact output is the attention mass on "
-                  "markers, a soft count, and it depends on every token: the many non-markers each carry a little "
-                  "mass. Quest keeps the blocks with markers first and renormalises over what it keeps, so the "
-                  "background it drops leaves the markers with too large a share: the soft count is overestimated, "
-                  "the more the sparser the markers. Only with a marker in every block (period 16) is the share "
-                  "kept.", "",
-                  "| markers | blocks with a marker | exact mass | " + " | ".join(
-                      f"1/{f}: mass (rel. error)" for f in FRACTIONS) + " |",
-                  "|---|---|---|" + "---|" * len(FRACTIONS)]
-        for r in s["counting"]:
-            cells = [f"{r['budgets'][str(f)]['mass']:.3f} ({_pct(r['budgets'][str(f)]['rel_error'])})"
-                     for f in FRACTIONS]
-            lines.append(f"| {r['markers']} | {r['marker_blocks']} | {r['exact_mass']:.3f} | " + " | ".join(cells)
-                         + " |")
-        lines += ["", "**Uniform attention** (all keys equal, values N(0, 1)): the exact output is the mean of 2048 "
-                  "values; the compressed one is the mean of the budget's tokens.", "",
-                  "| budget | rel. error (mean over heads) | cosine |", "|---|---|---|"]
-        lines += [f"| 1/{f} | {s['uniform'][str(f)]['rel_error_mean']:.2f} | "
-                  f"{s['uniform'][str(f)]['cosine_mean']:.3f} |" for f in FRACTIONS]
-        lines.append("")
-        if v and "replay_repeated" in v:
-            rr = v["replay_repeated"]
-            lines += ["**Trained model, repetitive prompt** (BOS + `" + REPEATED_LINE.decode().rstrip("\n")
-                      + f"\\n` repeated, {PROMPT_TOKENS - REPEATED_SHORTER} tokens; every earlier copy of the line "
-                      "is an equally good match), "
-                      "replayed as in (b):", "",
-                      "| budget | Quest rel. error mean / p95 | cosine mean | mass recall mean | "
-                      "window rel. error mean | oracle rel. error mean |", "|---|---|---|---|---|---|"]
-            for f in FRACTIONS:
-                q, w, o = (_summary(rr[f"{m}/{f}"]["rel"]) for m in ("quest", "window", "oracle"))
-                lines.append(f"| 1/{f} | {q['mean']:.3f} / {q['p95']:.3f} | "
-                             f"{_summary(rr[f'quest/{f}']['cos'])['mean']:.4f} | "
-                             f"{_pct(_summary(rr[f'quest/{f}']['mass'])['mean'])} | {w['mean']:.3f} | "
-                             f"{o['mean']:.3f} |")
-            c = v["compressed"]
-            lines += ["", "Greedy agreement on this prompt (prefix): " + ", ".join(
-                f"1/{f}: {_pct(c[str(f)]['agreement_repeated']['prefix_mean'])}" for f in FRACTIONS) + ".", ""]
-    return "\n".join(lines) + "\n"
+def _cell(data: dict[str, Any], run: str, task: str, ctx: int | None) -> str:
+    acc, n = accuracy(data, run, task, ctx)
+    if task == LISTING:
+        return f"{_pct(acc)}"
+    return f"{round(acc * n)}/{n}"
 
 
-def _headline(results: dict[str, Any]) -> list[str]:
-    """The figures in brief, each from the section below that holds it."""
-    out = ["## In brief", ""]
-    a, v, s = results.get("needle"), results.get("vllm"), results.get("spread")
-    if a:
-        total = sum(r["cases"] for r in a["grid"])
-        hits = sum(r["recall"] * r["cases"] for r in a["grid"])
-        weak = ", ".join(f"length {r['needle']}: {_pct(r['recall'])}" for r in a["strength"] if r["recall"] < 1.0)
-        out.append(f"- (a) Planted needle selected in {_pct(hits / total)} of {total} cases (every position, contexts "
-                   f"256-4096 tokens, budgets 1/16-1/4). Weaker needles against noise of std 0.1 are missed ({weak}): "
-                   "Quest's bound is an upper bound, and noise blocks' bounds grow with their spread.")
-    if v:
-        rp = v["replay"]
-        figs = ", ".join(f"1/{f}: {_summary(rp[f'quest/{f}']['rel'])['mean']:.3f} / "
-                         f"{_summary(rp[f'quest/{f}']['cos'])['mean']:.3f}" for f in FRACTIONS)
-        win = ", ".join(f"{_summary(rp[f'window/{f}']['rel'])['mean']:.3f}" for f in FRACTIONS)
-        ora = ", ".join(f"{_summary(rp[f'oracle/{f}']['rel'])['mean']:.3f}" for f in FRACTIONS)
-        out.append(f"- (b) Attention output on the trained model's captured activations, compressed against exact, "
-                   f"mean relative error / mean cosine per query head: {figs}. A recency window of the same budget: "
-                   f"{win}; the best blocks by exact attention mass (oracle): {ora}.")
-        agr = ", ".join(f"1/{f}: {_pct(v['compressed'][str(f)]['agreement']['prefix_mean'])}" for f in FRACTIONS)
-        a4 = v["compressed"]["4"]["agreement"]
-        out.append(f"- (c) Greedy tokens in vLLM, {v['prompts']} prompts of {v['prompt_tokens']} tokens x "
-                   f"{v['new_tokens']} new, agreement with exact up to the first difference: {agr} (target 95% at "
-                   f"1/4: {'met' if a4['prefix_mean'] >= 0.95 else 'missed'}; positionwise at 1/4: "
-                   f"{_pct(a4['positionwise_mean'])}).")
-    if s:
-        worst = max(r["budgets"]["4"]["rel_error"] for r in s["counting"])
-        out.append(f"- (d) Attention spread evenly breaks top-k: a soft count over markers is overestimated by up to "
-                   f"{_pct(worst)} at budget 1/4, and uniform attention gives a relative error of "
-                   f"{s['uniform']['4']['rel_error_mean']:.2f} at 1/4.")
-    return out + [""]
+def _all_within(data: dict[str, Any], run: str, task: str, ctx: int | None) -> bool:
+    cases = case_index(data)
+    rs = [r for name, r in data["runs"][run]["results"].items()
+          if cases[name]["task"] == task and (ctx is None or cases[name]["context"] == ctx)]
+    return bool(rs) and all(r.get("within_budget") for r in rs)
 
 
-def _render_vllm(v: dict[str, Any], results: dict[str, Any]) -> list[str]:
-    rp = v["replay"]
-    cases = v["replay_cases"]
-    ctx_lo, ctx_hi = v["prompt_tokens"] + min(cases["steps"]), v["prompt_tokens"] + max(cases["steps"])
-    lines = ["## (b) Attention-output error on the trained model's activations", "",
-             f"vLLM 0.32.0 in this process, ActiveKV exact mode, {v['prompts']} held-out prompts of "
-             f"{v['prompt_tokens']} tokens (BOS + bytes of the held-out files) plus the repetitive prompt of (d), "
-             f"greedy. `tools.capture` records each layer's query, step plan and KV blocks at decode steps "
-             f"{', '.join(map(str, cases['steps']))} ({cases['layers']} layers x {cases['rows']} rows x "
-             f"{len(cases['steps'])} steps = {cases['layers'] * cases['rows'] * len(cases['steps'])} layer-rows, x 8 "
-             "query heads per figure); each layer-row is replayed on fresh native engines, exact and compressed "
-             f"with a budget of 1/16, 1/8, 1/4 of its context ({ctx_lo}-{ctx_hi} tokens, "
-             f"{-(-ctx_lo // BLOCK_SIZE)}-{-(-ctx_hi // BLOCK_SIZE)} blocks). Errors are per "
-             "query head: `|o_c - o_e| / |o_e|` and `cos(o_c, o_e)`; mass recall is the share of the exact softmax "
-             "mass inside the blocks the head's KV head attended. *Window* (sink + the most recent blocks) and "
-             "*oracle* (per KV head, the blocks with the most exact mass summed over its 4 query heads, plus sink "
-             "and recent) are the same budget selected in Python, as floor and ceiling.", "",
-             "| budget | selection | rel. error mean | median | p95 | max | cosine mean | min | mass recall mean "
-             "| p5 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for f in FRACTIONS:
-        for m in ("quest", "window", "oracle"):
-            d = rp[f"{m}/{f}"]
-            r, c, ms = _summary(d["rel"]), _summary(d["cos"]), _summary(d["mass"])
-            name = {"quest": "**Quest (engine)**", "window": "window", "oracle": "oracle"}[m]
-            lines.append(f"| 1/{f} | {name} | {r['mean']:.4f} | {r['median']:.4f} | {r['p95']:.4f} | {r['max']:.4f} | "
-                         f"{c['mean']:.5f} | {c['min']:.4f} | {_pct(ms['mean'])} | {_pct(ms['p5'])} |")
-    layers = sorted(int(k.removeprefix("rel_layer")) for k in rp["quest/4"] if k.startswith("rel_layer"))
-    lines += ["", "Quest's mean relative error per layer:", "",
-              "| budget | " + " | ".join(f"layer {i}" for i in layers) + " |", "|---|" + "---|" * len(layers)]
-    for f in FRACTIONS:
-        lines.append(f"| 1/{f} | " + " | ".join(f"{statistics.fmean(rp[f'quest/{f}'][f'rel_layer{i}']):.4f}"
-                                              for i in layers) + " |")
-    ev, qv = _summary(rp["exact_vs_float64"]["rel"]), _summary(rp["quest_vs_float64"]["rel"])
-    lines += ["", f"For scale: the engine's exact output against float64 attention over the whole context, relative "
-              f"error mean {ev['mean']:.1e}, max {ev['max']:.1e}; the engine's compressed output against float64 "
-              f"attention over the blocks it selected, max {qv['max']:.1e} (so the window and oracle rows, computed "
-              "that way, compare like with like).", ""]
-    lines += ["## (c) Greedy token agreement in vLLM", "",
-              f"Same engine settings and prompts as (b), {v['new_tokens']} new tokens each, greedy, float32; the "
-              f"compressed budget is a fraction of the {v['prompt_tokens']}-token prompt (contexts grow to "
-              f"{v['prompt_tokens'] + v['new_tokens'] - 1}). *Prefix*: index of "
-              f"the first token that differs from ActiveKV exact, over {v['new_tokens']}, mean over the "
-              f"{v['prompts']} prompts (the figure the 95% target is held to). *Positionwise*: share of equal "
-              "positions.", "",
-              "| run | budget (tokens) | prefix agreement (mean) | per prompt | positionwise (mean) | "
-              "exact run's top-1 - top-2 logprob at each first difference |",
-              "|---|---|---|---|---|---|"]
-
-    def margins(a: dict[str, Any]) -> str:
-        got = [f"{m:.3f}" for m in a["margins_at_divergence"] if m is not None]
-        return ", ".join(got) if got else "-"
-
-    st = v["cpu_attn_vs_exact"]
-    lines.append(f"| vLLM CPU_ATTN vs ActiveKV exact (rounding floor) | - | {_pct(st['prefix_mean'])} | "
-                 f"{', '.join(_pct(x) for x in st['prefix'])} | {_pct(st['positionwise_mean'])} | {margins(st)} |")
-    for f in FRACTIONS:
-        c = v["compressed"][str(f)]
-        a = c["agreement"]
-        lines.append(f"| compressed 1/{f} | {c['budget_tokens']} | **{_pct(a['prefix_mean'])}** | "
-                     f"{', '.join(_pct(x) for x in a['prefix'])} | {_pct(a['positionwise_mean'])} | "
-                     f"{margins(a)} |")
-    c4 = v["compressed"]["4"]
-    a4 = c4["agreement"]
-    full = sum(x == 1.0 for x in a4["prefix"])
-    lines += ["", f"Target: at least 95% at budget 1/4. Prefix agreement {_pct(a4['prefix_mean'])}: "
-              + ("**met**" if a4["prefix_mean"] >= 0.95 else "**missed**")
-              + f"; {full} of {len(a4['prefix'])} prompts agree on all {v['new_tokens']} tokens"
-              + ("" if full == len(a4["prefix"]) else
-                 (", the other first differs" if len(a4["prefix"]) - full == 1 else ", the others first differ")
-                 + " where the exact run's top two tokens were "
-                 + ", ".join(f"{m:.3f}" for m in a4["margins_at_divergence"] if m is not None)
-                 + " nats apart")
-              + f". Positionwise {_pct(a4['positionwise_mean'])}: "
-              + ("met." if a4["positionwise_mean"] >= 0.95 else "missed.")
-              + f" With {len(a4['prefix'])} prompts, one prompt moves the prefix mean by up to "
-              f"{100 / len(a4['prefix']):.1f} points."]
-    tel = c4["telemetry"]
-    held = tel["compressed_context_blocks"] * v["num_kv_heads"]
-    lines += ["", f"Selection telemetry of the 1/4 run: {tel['compressed_rows']} compressed layer-rows, "
-              f"{tel['selected_blocks']} (KV head, block) pairs attended out of {held} held "
-              f"({_pct(tel['selected_blocks'] / max(1, held))}), "
-              f"{tel['union_blocks']} blocks admitted as per-row unions."]
-    chk = c4.get("replay_check")
-    if chk:
-        n = chk["calls"]
-        ref = (f"bit-equal to `tests.reference.engine.RefEngine`'s replay in {chk['reference_equal']}/{n}"
-               if chk["reference_equal"] == n else
-               f"within {chk['reference_max_abs_diff']:.1e} (largest absolute difference) of "
-               f"`tests.reference.engine.RefEngine`'s replay, which mirrors the ATen tile path while this run used "
-               f"the engine's `{chk['kernel']}` kernel")
-        lines += ["", "End to end check on this model: decode steps "
-                  f"{', '.join(map(str, REPLAY_STEPS))} of the 1/4 run recorded with `tools.capture` ({n} layer "
-                  "forwards) and replayed on fresh engines: "
-                  f"outputs bit-equal to a fresh native engine's replay in {chk['native_equal']}/{n}, "
-                  f"selections equal in {chk['native_selections_equal']}/{n}; outputs {ref}; the reference's "
-                  f"selections equal in {chk['reference_selections_equal']}/{n}. "
-                  "(`tests/test_e2e_compressed.py` checks every step bit for bit against the reference on the tiny "
-                  "random model with the ATen path.)"]
-    t = v["timings_s"]
-    names = {"exact_run_s": "exact run (with capture)", "replay_s": "replays for (b) and (d)",
-             "cpu_attn_run_s": "CPU_ATTN run",
-             **{f"compressed_1_{f}_run_s": f"compressed 1/{f} run" for f in FRACTIONS}}
-    lines += ["", "Wall time on this machine, engine start-up included (the 2 cores are shared with other work, so "
-              "these vary run to run): " + ", ".join(f"{names.get(k, k)} {x:.0f} s" for k, x in t.items()) + ".", ""]
+def accuracy_table(data: dict[str, Any], task: str) -> list[str]:
+    """Rows: context lengths and all; columns: the runs that answered the task. Cells whose prompts all fit the
+    budget are marked (=)."""
+    names = run_names(data, task)
+    head = "| context | " + " | ".join(run_label(data, r) for r in names) + " |"
+    lines = [head, "|---|" + "---|" * len(names)]
+    for ctx in [*contexts_of(data, task), None]:
+        cells = [_cell(data, r, task, ctx) + (" (=)" if _all_within(data, r, task, ctx) else "") for r in names]
+        label = "all" if ctx is None else _k(ctx)
+        if ctx is None:
+            cells = [f"**{c}**" for c in cells]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
 
+def prompt_table(data: dict[str, Any], task: str) -> list[str]:
+    """One row per prompt: context, depth, what was asked; a mark per run: ✓ right, ✗ wrong, = not run (within the
+    budget: exact mode's answer)."""
+    names = run_names(data, task)
+    lines = ["| prompt | depth | " + " | ".join(run_label(data, r) for r in names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for c in data["cases"]:
+        if c["task"] != task:
+            continue
+        marks = []
+        for r in names:
+            res = data["runs"][r]["results"][c["name"]]
+            mark = "✓" if res["score"] == 1 else ("✗" if res["score"] == 0 else f"{res['score']:.2f}")
+            marks.append("=" if res.get("within_budget") else mark)
+        what = _k(c["context"]) + (f", {c['asked']}" if c["asked"] else "")
+        lines.append(f"| {what} | {100 * c['depth']:.0f}% | " + " | ".join(marks) + " |")
+    return lines
+
+
+def exact_answers(data: dict[str, Any], task: str, limit: int = 48) -> list[str]:
+    """Exact mode's answer to each prompt of a task, as text (lines joined with " / ", cut), with what was
+    expected."""
+    out = []
+    for c in data["cases"]:
+        if c["task"] != task:
+            continue
+        lines = data["runs"][EXACT_RUN]["results"][c["name"]]["text"].strip().splitlines()
+        first = " / ".join(line.strip() for line in lines if line.strip())
+        first = first if len(first) <= limit else first[:limit] + "..."
+        out.append(f"{_k(c['context'])} at {100 * c['depth']:.0f}%" + (f" ({c['asked']})" if c["asked"] else "")
+                   + f": expected {', '.join(c['expected'])}; exact said `{first.replace('`', '')}`")
+    return out
+
+
+def stock_summary(data: dict[str, Any]) -> str:
+    vs = data["cpu_attn_vs_exact"]
+    equal = sum(v["equal"] for v in vs.values())
+    ties = [v for v in vs.values() if not v["equal"]]
+    acc_s, n = accuracy(data, CPU_ATTN_RUN, PASSKEY)
+    acc_e, _ = accuracy(data, EXACT_RUN, PASSKEY)
+    same = "equal" if acc_s == acc_e else "NOT equal"
+    text = (f"Exact mode's passkey accuracy {_pct(acc_e)} and CPU_ATTN's {_pct(acc_s)} over {n} prompts: **{same}**. "
+            f"Greedy tokens equal on {equal} of {len(vs)} prompts")
+    if ties:
+        text += ("; the others first differ at a near tie (" if all(v["ok"] for v in ties) else
+                 "; **not at a near tie** on some (") + ", ".join(
+            f"token {v['first_difference']}, top-1/top-2 gap {v['gap']:.1e}" for v in ties) + ")"
+    worst = max(v["max_logprob_diff"] for v in vs.values())
+    return text + f"; largest logprob difference before any difference {worst:.1e}."
+
+
+def agreement_rows(data: dict[str, Any]) -> list[str]:
+    cases = case_index(data)
+    first = next(iter(data["continuation_agreement"].values()), {})
+    ctxs = ", ".join(_k(cases[n]["context"]) for n in first)
+    lines = [f"| budget | prefix agreement, mean | first difference per prompt ({ctxs}; of "
+             f"{data['setup']['new_tokens']}) | exact's logprob gap to compressed's token there | exact's top-1 - "
+             "top-2 there |", "|---|---|---|---|---|"]
+
+    def each(v: dict[str, Any], what: str) -> str:
+        if v.get("within_budget"):
+            return "="
+        if v["first_difference"] is None:
+            return "-"
+        if what == "first":
+            return str(v["first_difference"])
+        if what == "gap":
+            return f"{v['gap']:.2f}" if v["gap"] is not None else f">{v['gap_at_least']:.1f}"
+        return f"{v['top2_gap']:.2f}"
+
+    for run, per in data["continuation_agreement"].items():
+        cols = [", ".join(each(v, what) for v in per.values()) for what in ("first", "gap", "top2")]
+        lines.append(f"| {run_label(data, run)} | **{_pct(mean_agreement(data, run))}** | " + " | ".join(cols) + " |")
+    return lines
+
+
+def mean_agreement(data: dict[str, Any], run: str) -> float:
+    per = data["continuation_agreement"].get(run) or {}
+    return statistics.fmean(v["agreement"] for v in per.values()) if per else float("nan")
+
+
+def timing_table(data: dict[str, Any]) -> list[str]:
+    lines = ["| engine | prompts | prompt tokens (computed, prefix caching) | start s | generate s |",
+             "|---|---|---|---|---|"]
+    for name, r in data["runs"].items():
+        lines.append(f"| {run_label(data, name)} | {r['prompts']} | {r['prompt_tokens']:,} "
+                     f"({r['unique_prompt_tokens']:,}) | {r['start_s']:.0f} | {r['generate_s']:.0f} |")
+    return lines
+
+
+def read_share(data: dict[str, Any], run: str) -> str:
+    tel = data["runs"][run]["telemetry"]
+    held = tel.get("compressed_context_blocks", 0) * data["model"]["num_key_value_heads"]
+    if not held:
+        return "-"
+    return _pct(tel["selected_blocks"] / held)
+
+
+def render(data: dict[str, Any]) -> str:
+    """docs/quality.md from the JSON."""
+    m = data["machine"]
+    t = data["timings_s"]
+    s = data["setup"]
+    lines = [GENERATED, "", "# ActiveKV compressed mode: quality on a real model", "",
+             f"SmolLM2-135M-Instruct ({data['model']['package']}, converted to float32 by `make real-model`; "
+             f"{data['model']['num_hidden_layers']} layers, {data['model']['num_attention_heads']} query heads, "
+             f"{data['model']['num_key_value_heads']} KV heads, head size {data['model']['head_dim']}) in vLLM "
+             f"{data['versions']['vllm']} on the CPU, compiled mode, greedy, float32. Compressed mode: each decode "
+             f"row whose context exceeds the budget attends, per KV head, {s['sink_blocks']} sink block, "
+             f"{s['recent_blocks']} recent blocks and the top "
+             f"`budget / block_size - {s['sink_blocks'] + s['recent_blocks']}` other blocks by Quest's bound "
+             "(`engine/include/activekv/admission.h`); prefill runs exactly. "
+             "Compressed mode is judged against exact mode's answers to the same prompts.", "",
+             f"- command: `{data['command']}` (`make quality`); {'**quick run**; ' if data['quick'] else ''}"
+             f"data `docs/data/quality.json`, commit {data['commit']}, {data['date']}",
+             f"- machine: {m['cpu']}, {m['nproc']} cores, load average {m['load_average'][0]:.2f} at start; "
+             + ", ".join(f"{k} {v}" for k, v in data["versions"].items()),
+             f"- runtime: **{t['total'] / 60:.1f} min** for the tool ({t['vllm'] / 60:.1f} min for the "
+             f"{len(data['runs'])} vLLM engines, {t['synthetic']:.0f} s for the synthetic part). {SHARED_MACHINE}",
+             "- how it is built and scored: `tools/quality.py`, `tools/quality_tasks.py` (module docstrings)", ""]
+    lines += headline(data)
+    lines += passkey_section(data)
+    lines += retrieval_section(data)
+    lines += listing_section(data)
+    lines += continuation_section(data)
+    lines += synthetic_section(data)
+    lines += ["## Engines and time", "",
+              f"One engine per configuration, one after the other; {s['new_tokens']} new tokens per prompt, prefix "
+              f"caching on, chunked prefill of {s['max_num_batched_tokens']} tokens per step, "
+              f"{s['kv_cache_gib']} GiB KV cache. The prompt tokens computed are what prefix caching leaves "
+              "(`tools.quality_tasks.unique_tokens`); compressed mode's prefill is exact, so each engine pays it "
+              "again.", ""]
+    lines += timing_table(data)
+    lines.append("")
+    return "\n".join(lines)
+
+
+def headline(data: dict[str, Any]) -> list[str]:
+    out = ["## In brief", ""]
+    pk = [r for r in run_names(data, PASSKEY)]
+    out.append("- Passkey accuracy, all contexts: " + ", ".join(
+        f"{run_label(data, r)} {_pct(accuracy(data, r, PASSKEY)[0])}" for r in pk) + ".")
+    ctxs = contexts_of(data, PASSKEY)
+    by_ctx = ", ".join(f"{_k(c)} {_pct(accuracy(data, EXACT_RUN, PASSKEY, c)[0])}" for c in ctxs)
+    loses = accuracy(data, EXACT_RUN, PASSKEY, ctxs[-1])[0] < accuracy(data, EXACT_RUN, PASSKEY, ctxs[0])[0]
+    out.append(f"- Exact mode's passkey accuracy by context: {by_ctx}"
+               + (": the 135M model itself loses the key in long contexts" if loses else "")
+               + "; compressed mode is judged against exact mode's answers.")
+    out.append("- " + stock_summary(data))
+    for task in (MULTIKEY, SPLITKEY, LISTING):
+        never = accuracy(data, EXACT_RUN, task)[0] == 0
+        out.append(f"- {task}: " + ", ".join(f"{run_label(data, r)} {_pct(accuracy(data, r, task)[0])}"
+                                             for r in run_names(data, task))
+                   + (": exact mode never answers it, so it says nothing about compressed mode." if never else "."))
+    runs_c = [r for r in data["continuation_agreement"] if data["continuation_agreement"][r]]
+    if runs_c:
+        out.append("- Continuations, greedy agreement with exact mode up to the first difference: " + ", ".join(
+            f"{run_label(data, r)} {_pct(mean_agreement(data, r))}" for r in runs_c) + ".")
+    low = below_target(data)
+    if low:
+        out += ["", "Where compressed mode is below 95% of exact mode's accuracy (exact above 0):", "",
+                "| task | engine | context | exact | compressed |", "|---|---|---|---|---|"]
+        out += [f"| {x['task']} | {run_label(data, x['run'])} | {'all' if x['context'] is None else _k(x['context'])} "
+                f"| {_pct(x['exact'])} | {_pct(x['compressed'])} |" for x in low]
+    else:
+        out.append("- Compressed mode is at or above 95% of exact mode's accuracy in every task, budget and context.")
+    return out + [""]
+
+
+def passkey_section(data: dict[str, Any]) -> list[str]:
+    cases = [c for c in data["cases"] if c["task"] == PASSKEY]
+    return [
+        "## Passkey retrieval", "",
+        "\"The pass key is NNNNN. Remember it. NNNNN is the pass key.\" planted between paragraphs of Python's "
+        "documentation, then \"What is the pass key?\", the answer opened with \"The pass key is\"; right when the "
+        f"answer's digits are the key. {len(cases)} prompts: each needle is cut at up to three context lengths, so it "
+        "sits at a different depth of each (the table below gives every prompt's depth). Each cell: prompts "
+        "answered right / prompts. (=): every prompt of the cell fits the budget: a decode row selects only when it "
+        "holds more blocks than the budget (`engine/src/step_plan.cpp`), so compressed mode attends every block of "
+        "these rows, as exact mode does; the cell is exact mode's answers, not run again.", "",
+        *accuracy_table(data, PASSKEY), "",
+        "![Passkey accuracy against budget](img/quality_passkey.png)", "",
+        "Per prompt (✓ right, ✗ wrong, = within the budget):", "",
+        *prompt_table(data, PASSKEY), "",
+        "Exact mode's answers:", "",
+        *[f"- {x}" for x in exact_answers(data, PASSKEY)], "",
+        "Share of the held (KV head, block) pairs each compressed engine read on its compressed rows (telemetry): "
+        + ", ".join(f"{run_label(data, r)} {read_share(data, r)}" for r in run_names(data, PASSKEY)
+                    if data["runs"][r]["budget"] is not None) + ".", ""]
+
+
+def retrieval_section(data: dict[str, Any]) -> list[str]:
+    return [
+        "## Harder retrieval: several keys, and a key in two halves", "",
+        "One document per context holds nine planted sentences: keys for four names (\"The key for Alice is "
+        "12345.\"), a six-digit code in two halves at 30% and 70% (\"The first half of the secret code is 417.\", "
+        "\"The second half of the secret code is 862.\") and three fruits of the day (next section), and is asked six "
+        "questions, one per prompt. multikey: one name's key (\"What is the key for Carol?\", opened with \"The key "
+        "for Carol is\"); splitkey: the whole code (\"What are the first half and the second half of the secret "
+        "code?\", opened with \"The first half of the secret code is\"), right when the answer's first two digit "
+        "groups joined are the code. Block 16 only.", "",
+        "**multikey**", "", *accuracy_table(data, MULTIKEY), "",
+        *prompt_table(data, MULTIKEY), "",
+        "**splitkey**", "", *accuracy_table(data, SPLITKEY), "",
+        "Exact mode's answers: " + "; ".join(exact_answers(data, SPLITKEY, 80)) + ".", "",
+        "![Multikey and splitkey accuracy against budget](img/quality_retrieval.png)", ""]
+
+
+def listing_section(data: dict[str, Any]) -> list[str]:
+    return [
+        "## Aggregation: listing what is spread through the context", "",
+        "The same documents: three fruits of the day at 10%, 50% and 90%, all asked at once (\"The text names three "
+        "fruits of the day. Which are they?\", opened with \"The three fruits of the day are\"). Each step of the "
+        "answer needs attention on several places at once, the case where top-k selection is known to lose "
+        "(MagicPIG). Cell: mean share of the three fruits the answer names.", "",
+        *accuracy_table(data, LISTING), "",
+        "Exact mode's answers: " + "; ".join(exact_answers(data, LISTING, 80)) + ".", "",
+        "![Listing accuracy against budget](img/quality_listing.png)", "",
+        "The synthetic counting case below shows the mechanism on attention alone.", ""]
+
+
+def continuation_section(data: dict[str, Any]) -> list[str]:
+    return [
+        "## Greedy agreement on long-document continuations", "",
+        f"The document alone (no question: the model continues Python's documentation inside the user turn), "
+        f"{data['setup']['new_tokens']} new tokens, greedy; compressed mode against exact mode. Prefix agreement: "
+        "index of the first differing token over the tokens generated (100% when all agree), mean over the prompts; "
+        "= marks a prompt whose context fits the budget (exact mode's tokens, counted as 100%), - one that agrees "
+        "throughout. At the first difference: how many nats exact mode's logprob of its own token exceeded its "
+        f"logprob of the token compressed mode chose (`>x`: not in exact's top {data['setup']['logprobs']}), and "
+        "exact's top-1 - top-2 gap there (how near a tie it was).", "",
+        *agreement_rows(data), "",
+        "![Greedy agreement against budget](img/quality_agreement.png)", ""]
+
+
+def synthetic_section(data: dict[str, Any]) -> list[str]:
+    syn = data["synthetic"]
+    sp = syn["spread"]
+    fr = sorted(sp["uniform"], key=int, reverse=True)
+    lines = [
+        "## Synthetic, through the native engine", "",
+        "`tools/quality_synthetic.py`, no model: the engine's selection on keys made to show one mechanism each.", "",
+        "**Planted needle against its strength**: noise keys (std 0.1) and one block whose keys point along the "
+        "decode query with the given length; 2 KV heads x GQA 4, head size 16, block 16, context "
+        f"{syn['needle'][0]['context_tokens']} tokens, budget {syn['needle'][0]['budget_blocks']} blocks (sink 1, "
+        "recent 1), the needle at random positions. Quest's bound is an upper bound, and a block of noisy keys has "
+        "a large one, so a faint needle loses to noise blocks (every position of a strong needle is selected: "
+        "`tests/test_selection.py`).", "",
+        "| needle length | cases | recall |", "|---|---|---|",
+        *[f"| {r['needle']} | {r['cases']} | {_pct(r['recall'])} |" for r in syn["needle"]], "",
+        f"**Counting**: context {sp['context_tokens']} tokens, marker tokens every `period` tokens with the same key, "
+        "the query matching it, values 1 on markers (coordinate 0): the exact output is the attention mass on "
+        "markers, a soft count that depends on every token. Compressed mode keeps the blocks with markers first and "
+        "renormalises over what it keeps, so the background it drops leaves the markers too large a share: the "
+        "count is overestimated, the more the sparser the markers. **Uniform**: all keys equal, values N(0, 1); "
+        "exact output = mean of all values.", "",
+        "| markers | blocks with a marker | exact mass | " + " | ".join(
+            f"budget 1/{f}: mass (rel. error)" for f in fr) + " |", "|---|---|---|" + "---|" * len(fr)]
+    for r in sp["counting"]:
+        lines.append(f"| {r['markers']} | {r['marker_blocks']} | {r['exact_mass']:.3f} | " + " | ".join(
+            f"{r['budgets'][f]['mass']:.3f} ({_pct(r['budgets'][f]['rel_error'])})" for f in fr) + " |")
+    lines += ["", "| uniform attention | " + " | ".join(f"budget 1/{f}" for f in fr) + " |",
+              "|---|" + "---|" * len(fr),
+              "| rel. error (mean over heads) | " + " | ".join(
+                  f"{sp['uniform'][f]['rel_error_mean']:.2f}" for f in fr) + " |", ""]
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------------- plots
+
+def _plot_setup() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _budget_axis(ax: Any, budgets: Sequence[int]) -> None:
+    from matplotlib.ticker import NullFormatter, NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("budget (tokens per KV head)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.grid(True, alpha=0.3)
+
+
+def _series(data: dict[str, Any], task: str, block: int, ctx: int | None,
+            value: Callable[[str], float] | None = None) -> tuple[list[int], list[float]]:
+    pts = [(r["budget"], value(name) if value else accuracy(data, name, task, ctx)[0])
+           for name, r in data["runs"].items() if r["budget"] is not None and r["block_size"] == block
+           and task in r["tasks"]]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _budgets(data: dict[str, Any]) -> list[int]:
+    return sorted({r["budget"] for r in data["runs"].values() if r["budget"] is not None})
+
+
+def plot_passkey(data: dict[str, Any], path: Path) -> None:
+    """Accuracy against budget, a panel per context and one for all: block 16 and block 128 lines, exact and
+    CPU_ATTN as horizontal lines."""
+    plt = _plot_setup()
+    ctxs: list[int | None] = [*contexts_of(data, PASSKEY), None]
+    fig, axes = plt.subplots(1, len(ctxs), figsize=(3.0 * len(ctxs), 3.4), sharey=True, squeeze=False)
+    for ax, ctx in zip(axes[0], ctxs):
+        for block, marker in ((16, "o"), (128, "s")):
+            xs, ys = _series(data, PASSKEY, block, ctx)
+            if xs:
+                ax.plot(xs, ys, marker=marker, label=f"compressed, block {block}")
+        ax.axhline(accuracy(data, EXACT_RUN, PASSKEY, ctx)[0], color="k", linestyle="--", label="exact")
+        ax.axhline(accuracy(data, CPU_ATTN_RUN, PASSKEY, ctx)[0], color="tab:red", linestyle=":",
+                   label="vLLM CPU_ATTN")
+        _budget_axis(ax, _budgets(data))
+        n = accuracy(data, EXACT_RUN, PASSKEY, ctx)[1]
+        ax.set_title(f"{'all contexts' if ctx is None else _k(ctx) + ' context'} ({n} prompt{'s' if n > 1 else ''})",
+                     fontsize=9)
+    axes[0][0].set_ylabel("accuracy")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, frameon=False, fontsize=8.5)
+    fig.suptitle("Passkey retrieval, SmolLM2-135M-Instruct in vLLM", fontsize=10)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def _tasks_plot(data: dict[str, Any], path: Path, tasks: Sequence[str], title: str, ylabel: str) -> None:
+    plt = _plot_setup()
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), sharey=True, squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for ctx, marker in zip([*contexts_of(data, task), None], "o^sv"):
+            xs, ys = _series(data, task, 16, ctx)
+            line = ax.plot(xs, ys, marker=marker, label=f"{'all' if ctx is None else _k(ctx)}: compressed")
+            ax.axhline(accuracy(data, EXACT_RUN, task, ctx)[0], color=line[0].get_color(), linestyle="--",
+                       label=f"{'all' if ctx is None else _k(ctx)}: exact")
+        _budget_axis(ax, _budgets(data))
+        ax.set_title(f"{task}, block 16", fontsize=9)
+        ax.legend(fontsize=7.5, frameon=False)
+    axes[0][0].set_ylabel(ylabel)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def plot_retrieval(data: dict[str, Any], path: Path) -> None:
+    _tasks_plot(data, path, (MULTIKEY, SPLITKEY), "Harder retrieval, SmolLM2-135M-Instruct in vLLM", "accuracy")
+
+
+def plot_listing(data: dict[str, Any], path: Path) -> None:
+    _tasks_plot(data, path, (LISTING,), "Listing three fruits spread through the context",
+                "share of the fruits named")
+
+
+def plot_agreement(data: dict[str, Any], path: Path) -> None:
+    plt = _plot_setup()
+    fig, ax = plt.subplots(figsize=(5.2, 3.4))
+    xs, ys = _series(data, CONTINUATION, 16, None, lambda name: mean_agreement(data, name))
+    ax.plot(xs, ys, marker="o", label="compressed, block 16")
+    _budget_axis(ax, _budgets(data))
+    ax.set_ylabel("prefix agreement with exact (mean)")
+    ax.legend(fontsize=8, frameon=False)
+    fig.suptitle("Greedy continuations of long documents", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def images(data: dict[str, Any]) -> dict[str, Callable[[Path], None]]:
+    return {"quality_passkey.png": lambda p: plot_passkey(data, p),
+            "quality_retrieval.png": lambda p: plot_retrieval(data, p),
+            "quality_listing.png": lambda p: plot_listing(data, p),
+            "quality_agreement.png": lambda p: plot_agreement(data, p)}
+
+
+def write_page(data: dict[str, Any], page: Path, img: Path) -> None:
+    page.write_text(render(data))
+    img.mkdir(parents=True, exist_ok=True)
+    for name, draw in images(data).items():
+        draw(img / name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tools.quality", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=Path("build/tiny-trained"), help="from tools.train_tiny")
-    parser.add_argument("--out", type=Path, default=Path("docs/quality.md"))
-    parser.add_argument("--json", type=Path, default=Path("build/quality/quality.json"))
-    parser.add_argument("--parts", default="abcd", help="subset of a, b, c, d ((b) and (c) run together)")
+    parser.add_argument("--quick", action="store_true", help="1k contexts, budget 512 at block 16 only")
+    parser.add_argument("--render", action="store_true", help="render the page and plots from --json, measure nothing")
+    parser.add_argument("--json", type=Path, default=DATA)
+    parser.add_argument("--out", type=Path, default=PAGE)
+    parser.add_argument("--img", type=Path, default=IMG)
+    parser.add_argument("--model", type=Path, default=None, help="default: make_real_model()'s output")
     parser.add_argument("--vllm-log-level", default="ERROR", help="VLLM_LOGGING_LEVEL, unless already set")
     args = parser.parse_args(argv)
+    if args.render:
+        write_page(json.loads(args.json.read_text()), args.out, args.img)
+        print(f"wrote {args.out} and {args.img}/quality_*.png from {args.json}")
+        return 0
     os.environ.setdefault("VLLM_LOGGING_LEVEL", args.vllm_log_level)
-    import activekv._backend  # noqa: F401  (fails early with the build hint when not built)
+    from tools.real_model import make_real_model
+    from tools.vllm_run import activekv_status
 
-    from tools.train_tiny import read_stamp
-
-    results: dict[str, Any] = {"machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, "
-                                          f"{torch.get_num_threads()} threads"}
-    stamp = read_stamp(args.model)
-    if stamp is not None:
-        results["model"] = {"spec": stamp["spec"], "result": stamp["result"]}
-    if "a" in args.parts:
-        t0 = time.monotonic()
-        results["needle"] = measure_needle()
-        _log(f"(a) needle: {time.monotonic() - t0:.0f} s")
-    if "b" in args.parts or "c" in args.parts:
-        if stamp is None:
-            raise SystemExit(f"{args.model} has no trained model: run `python -m tools.train_tiny {args.model}`")
-        results["vllm"] = measure_vllm(str(args.model), stamp["spec"])
-    if "d" in args.parts:
-        results["spread"] = measure_spread()
+    available, why = activekv_status()
+    if not available:
+        print(f"quality: {why}", file=sys.stderr)
+        return 2
+    model = args.model or make_real_model()
+    data = {**provenance(argv), **measure(model, args.quick)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=1, default=float) + "\n")
-    command = "python -m tools.quality" + ("" if args.parts == "abcd" else f" --parts {args.parts}")
-    args.out.write_text(render(results, command))
-    print(f"wrote {args.out} and {args.json}")
+    args.json.write_text(json.dumps(data, indent=1) + "\n")
+    write_page(data, args.out, args.img)
+    print(f"wrote {args.json}, {args.out} and {args.img}/quality_*.png in {data['timings_s']['total'] / 60:.1f} min")
     return 0
 
 

@@ -259,11 +259,17 @@ class VllmEngine:
                 count, total = count + int(metric.value), total + float(metric.value)
         return count, total
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, logprobs: int = 1) -> Generation:
+    def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, logprobs: int = 1,
+                 chunked: bool = False) -> Generation:
         """Greedy decode of `max_tokens` tokens for each prompt, all submitted as one batch.
 
+        chunked: let vLLM prefill the prompts in chunks of `max_num_batched_tokens` over several steps and queue rows
+            beyond `max_num_seqs` (a step whose rows are all partial prefills samples nothing and is not counted, so
+            `steps` is then not the number of forward passes).
+
         Raises RuntimeError when this engine is not the newest one (its metrics were unregistered), when the prompts
-        would be chunked or queued (steps would then not equal forward passes), or when vLLM preempted a request.
+        would be chunked or queued and `chunked` is False (steps would then not equal forward passes), or when vLLM
+        preempted a request.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -272,7 +278,7 @@ class VllmEngine:
             raise RuntimeError("a newer VllmEngine replaced this one's vLLM metrics; close engines in order")
         scheduler = self.llm.llm_engine.vllm_config.scheduler_config
         total = sum(len(p) for p in prompts)
-        if total > scheduler.max_num_batched_tokens or len(prompts) > scheduler.max_num_seqs:
+        if not chunked and (total > scheduler.max_num_batched_tokens or len(prompts) > scheduler.max_num_seqs):
             raise RuntimeError(
                 f"{len(prompts)} prompts of {total} tokens exceed max_num_batched_tokens="
                 f"{scheduler.max_num_batched_tokens} or max_num_seqs={scheduler.max_num_seqs}: prefill would be split"
