@@ -174,6 +174,7 @@ def _result(tmp_path: Path) -> dict:
     args = bench.parse_args(["--out", str(tmp_path)])
     run = bench.Run(args, ["--out", str(tmp_path)], bench.Clock(args.budget_s))
     result = run.result
+    result["device"], result["bus"] = {"name": "made-up device"}, {"h2d_GBps": 50.0}
     r8 = bench.summarise(_records((8,), 3), (8,), bus_GBps=50.0)[0]
     streamed = bench.summarise(_records((8,), 3, telemetry=True), (8,), bus_GBps=50.0)[0]
     result["cases"] += [
@@ -378,3 +379,46 @@ def test_main_skips_what_the_budget_cannot_hold(fake_device: Path) -> None:
     result = json.loads((out / bench.JSON_NAME).read_text())
     assert {r["status"] for r in result["cases"]} == {"skipped", "capped"} and _FakeEngine.started == []
     assert all(r["reason"].startswith("budget: engine start and") for r in result["cases"] if r["status"] == "skipped")
+
+
+def test_headlines_quote_only_measured_cases(tmp_path: Path) -> None:
+    result = _result(tmp_path)
+    h = bench.headlines(result)
+    assert h["resident_ms"] is None and h["triton_ms"] == 16.0  # exact-resident at 32k, batch 8 is not in the run
+    assert h["streamed_bus"] == [pytest.approx(0.01), pytest.approx(0.01)]
+    assert h["shares"] == {"main": pytest.approx(16 / 81), "heavy": pytest.approx(16 / 81)}
+    assert bench.headlines({**result, "cases": []}) == {"resident_ms": None, "triton_ms": None, "streamed_bus": None,
+                                                         "shares": {}}
+
+
+def test_docs_render_a_run_and_say_not_yet_measured_without_one(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from tools import docs
+
+    empty = docs.gpu_vllm_section(None)
+    assert empty[0] == "## vLLM end to end, GPU" and any(line.startswith("**Not yet measured.**") for line in empty)
+    assert docs.gpu_vllm_readme_rows(None) == []
+    (tmp_path / "run").mkdir()
+    result = _result(tmp_path / "run")
+    section = docs.gpu_vllm_section(result)
+    assert not any("Not yet measured" in line for line in section)
+    assert "\n".join(bench.results_table(result)) in "\n".join(section)
+    assert "\n".join(bench.breakdown_table(result)) in "\n".join(section)
+    assert any(line.startswith("Measured: streaming every block from pinned host memory reaches 0.01 of the pinned "
+                               "bus") for line in section)
+    [row] = docs.gpu_vllm_readme_rows(result)
+    assert row[1] == "streamed from host memory: 0.01 of the pinned bus" and row[2] == "vllm-end-to-end-gpu"
+    # the page with the run committed beside the other data: its section and index row, within the page's rules
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("bench_cpu.json", "bench_e2e.json", "bench_gpu.json"):
+        (data / name).write_text((docs.DATA / name).read_text())
+    (data / docs.GPU_VLLM_DATA).write_text(json.dumps(result))
+    monkeypatch.setattr(docs, "DATA", data)
+    page = docs.benchmarks_page()
+    assert "| [vLLM end to end, GPU](#vllm-end-to-end-gpu) | `make gpu-vllm-bench` | made-up device (device tool) |" \
+        in page
+    assert len(page.splitlines()) <= 300
+    gpu_vllm = page.split("\n## vLLM end to end, GPU\n", 1)[1].split("\n## ", 1)[0].splitlines()
+    assert next(i for i, line in enumerate(gpu_vllm) if line.startswith("| ")) <= 20
+    assert "vllm-end-to-end-gpu" in docs.readme_results()

@@ -467,6 +467,22 @@ def breakdown_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def headlines(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures a summary quotes, each None where the run has no such measured case: at the breakdown's context
+    and batch, ActiveKV exact resident's and TRITON_ATTN's attention per step (ms); the streamed rows' fractions of
+    the pinned bus ([min, max]); stock's attention share of the step per model ({"main": x, "heavy": y})."""
+    ok = {(r["config"], r["context"], r["batch"]): r for r in result["cases"] if r["status"] == "ok"}
+    resident, triton = ok.get(("exact-resident", *BREAKDOWN)), ok.get(("triton", *BREAKDOWN))
+    fractions = [r["bus_fraction"] for r in ok.values() if r["config"] == "exact-streamed"
+                 and r.get("bus_fraction") is not None]
+    return {
+        "resident_ms": resident["attention_ms"] if resident else None,
+        "triton_ms": triton["attention_ms"] if triton else None,
+        "streamed_bus": [min(fractions), max(fractions)] if fractions else None,
+        "shares": {CONFIGS[r["config"]].model: r["attention_share"] for r in breakdown_rows(result)},
+    }
+
+
 def configs_table() -> list[str]:
     return ["| configuration | what runs |", "|---|---|",
             *(f"| {c.label} | {c.what} |" for c in CONFIGS.values())]
