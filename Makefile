@@ -20,7 +20,7 @@ timed = t0=$$SECONDS; echo "[$@] $(1) ..."; set -o pipefail; $(2); rc=$$?; \
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv real-model build wheel wheel-compat audit intake test sanitize demo bench bench-e2e docs profile parity quality serve-load census proof patch-vllm unpatch-vllm gpu-check gpu-vllm-pack gpu-vllm-check cuda-check clean
+.PHONY: help venv real-model build wheel wheel-compat audit intake test sanitize demo bench bench-e2e docs profile parity quality serve-load census proof patch-vllm unpatch-vllm gpu-check gpu-vllm-pack gpu-vllm-check gpu-vllm-bench cuda-check clean
 
 help: ## list the targets
 	@echo "ActiveKV $(VERSION), for vLLM $(VLLM_VERSION) and torch $(TORCH_VERSION)"
@@ -147,9 +147,18 @@ GPU_VLLM_PACK ?= build/gpu-vllm
 gpu-vllm-pack: $(ACTIVEKV) ## fetch the pinned vLLM's Python tree (series applied), its cu130 record, wheels and stand-ins into build/gpu-vllm
 	$(PY) -m tools.gpu_vllm_pack --out $(GPU_VLLM_PACK)
 
-gpu-vllm-check: ## CUDA machine only, GPU_VLLM_PACK carried: build as gpu-check, run vLLM end to end (tests/test_gpu_vllm.py) into GPU_OUT
+# GPU_VLLM_ARGS: tools/gpu_vllm_check.py's options (--bench: the benchmark after the tests; --bench-timeout-s;
+# -- PYTEST_ARGS);
+# GPU_VLLM_BENCH_ARGS: tools/bench_gpu_vllm.py's (e.g. --budget-s 300 --contexts 131072).
+GPU_VLLM_ARGS ?=
+GPU_VLLM_BENCH_ARGS ?=
+gpu-vllm-check: ## CUDA machine only, GPU_VLLM_PACK carried: build as gpu-check, run vLLM end to end (tests/test_gpu_vllm.py) into GPU_OUT; GPU_VLLM_ARGS=--bench adds the benchmark
 	$(GPU_BUILD)
-	$(GPU_PY) -m tools.gpu_vllm_check --pack $(GPU_VLLM_PACK) --out $(GPU_OUT) $(GPU_VLLM_ARGS)
+	$(GPU_PY) -m tools.gpu_vllm_check --pack $(GPU_VLLM_PACK) --out $(GPU_OUT) --bench-args="$(GPU_VLLM_BENCH_ARGS)" $(GPU_VLLM_ARGS)
+
+gpu-vllm-bench: ## CUDA machine only, GPU_VLLM_PACK carried: build as gpu-check, run the vLLM decode benchmark (tools/bench_gpu_vllm.py) into GPU_OUT
+	$(GPU_BUILD)
+	$(GPU_PY) -m tools.gpu_vllm_check --pack $(GPU_VLLM_PACK) --out $(GPU_OUT) --bench-only --bench-args="$(GPU_VLLM_BENCH_ARGS)" $(GPU_VLLM_ARGS)
 
 clean: ## remove build outputs (keeps .venv)
 	rm -rf build dist compile_commands.json .pytest_cache

@@ -43,6 +43,8 @@ from typing import Any
 import pytest
 import torch
 
+from tools.vllm_run import GPU_EAGER_SETTINGS
+
 pytestmark = pytest.mark.skipif(
     not (os.environ.get("ACTIVEKV_GPU_VLLM") == "1" and torch.cuda.is_available()),
     reason="needs a CUDA device and the vLLM-on-GPU harness (make gpu-vllm-check on the device)",
@@ -73,12 +75,6 @@ COMPRESSED = {"mode": "compressed", "budget_tokens": 256, "sink_blocks": 1, "rec
               "tile_blocks": TILE_BLOCKS}
 COMPRESSED_PROMPTS = (700, 1000, 1500, 3000)
 
-GPU_SETTINGS: dict[str, Any] = {
-    "compilation_config": {"custom_ops": ["none"]},
-    "ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"], "gelu_and_mul_sparse": ["native"]},
-    "gpu_memory_utilization": 0.2,
-    "async_scheduling": False,
-}
 
 
 def make_model(name: str) -> str:
@@ -102,7 +98,7 @@ def engine(model: str, backend: str, kv_bytes: int, activekv: dict[str, Any] | N
     return VllmEngine(EngineConfig(
         model=model, backend=backend, activekv=activekv, block_size=BLOCK, max_model_len=MAX_MODEL_LEN,
         max_num_seqs=8, max_num_batched_tokens=16384, enforce_eager=True,
-        extra={**GPU_SETTINGS, "kv_cache_memory_bytes": kv_bytes}))
+        extra={**GPU_EAGER_SETTINGS, "kv_cache_memory_bytes": kv_bytes}))
 
 
 def prompts(lengths: tuple[int, ...], seed: int) -> list[list[int]]:

@@ -6,7 +6,9 @@
 Data (each file holds the command that measured it, the machine, the versions, the commit and the date):
 - docs/data/bench_cpu.json: `python -m tools.bench --json docs/data/bench_cpu.json` (`make bench`);
 - docs/data/bench_e2e.json: `python -m tools.bench_e2e ... --json docs/data/bench_e2e.json` (`make bench-e2e`);
-- docs/data/bench_gpu.json: the `gpu_bench.json` that `make gpu-check GPU_OUT=DIR` writes on a CUDA machine.
+- docs/data/bench_gpu.json: the `gpu_bench.json` that `make gpu-check GPU_OUT=DIR` writes on a CUDA machine;
+- docs/data/bench_gpu_vllm.json: the `bench_gpu_vllm.json` that `make gpu-vllm-bench GPU_OUT=DIR` writes on the
+  device (tools/bench_gpu_vllm.py); until it is committed, its section says "not yet measured".
 
 Every table comes from its tool's own table functions (tools/bench.py, bench_e2e.py, bench_gpu.py), so a page shows
 what the tool printed. Plots (matplotlib, docs/img/): CPU decode step time against context, vLLM's decode tokens/s
@@ -66,6 +68,11 @@ NOT_KEPT = (
 
 def load(name: str) -> dict[str, Any]:
     return json.loads((DATA / name).read_text())
+
+
+def load_optional(name: str) -> dict[str, Any] | None:
+    """A data file that may not have been measured yet: None when it is absent."""
+    return load(name) if (DATA / name).is_file() else None
 
 
 def _range(values: list[float], fmt: str = "{:.2f}x") -> str:
@@ -341,10 +348,98 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
     ]
 
 
+# --- vLLM on the GPU ----------------------------------------------------------------------------------------------
+
+GPU_VLLM_DATA = "bench_gpu_vllm.json"
+
+
+def gpu_vllm_section(data: dict[str, Any] | None) -> list[str]:
+    """vLLM's decode on the H200, TRITON_ATTN against ActiveKV: the measured tables when `data` holds a run, else what
+    the benchmark runs and how to measure it, with no figure."""
+    from tools import bench_gpu_vllm as b
+
+    if data is None:
+        main, setup = b.MAIN_MODEL, {"contexts": list(b.DEFAULT_CONTEXTS), "batches": list(b.DEFAULT_BATCHES),
+                                     "steps": b.DEFAULT_STEPS, "budget_s": b.DEFAULT_BUDGET_S,
+                                     "max_case_tokens": b.DEFAULT_MAX_CASE_TOKENS}
+    else:
+        main, setup = b.ModelSpec(**{k: data["models"]["main"][k] for k in (
+            "layers", "heads", "kv_heads", "head_size", "hidden", "intermediate")}), data["setup"]
+    steps, batches = setup["steps"], sorted(setup["batches"], reverse=True)
+    lines = [
+        "## vLLM end to end, GPU", "",
+        "vLLM 0.32.0 decoding on the device's H200, in process and eagerly (the vLLM-on-GPU harness), stock "
+        f"TRITON_ATTN against ActiveKV at {', '.join(_k(c) for c in setup['contexts'])} context, batch "
+        f"{' and '.join(map(str, batches))}, on a random Llama ({main.describe()}): decode tokens/s, and per step "
+        "the time attention holds the stream.", "",
+    ]
+    if data is None:
+        lines += [
+            "**Not yet measured.** The figures come from one run on the device: `make gpu-vllm-bench GPU_OUT=DIR`, or "
+            "`make gpu-vllm-check GPU_OUT=DIR GPU_VLLM_ARGS=--bench` after the end-to-end tests; its "
+            f"`{GPU_VLLM_DATA}` is committed as `docs/data/{GPU_VLLM_DATA}` and rendered here.", "",
+            *b.configs_table(), "",
+        ]
+    else:
+        h = b.headlines(data)
+        said = []
+        if h["resident_ms"] is not None and h["triton_ms"]:
+            said.append(f"at 32k, batch 8, ActiveKV exact with the batch resident in its pool attends in "
+                        f"{h['resident_ms']:.2f} ms per step against TRITON_ATTN's {h['triton_ms']:.2f} ms "
+                        f"({h['resident_ms'] / h['triton_ms']:.2f}x; target: at most 1.1x)")
+        if h["streamed_bus"] is not None:
+            said.append("streaming every block from pinned host memory reaches "
+                        f"{_range(h['streamed_bus'], '{:.2f}')} of the pinned bus (target: 0.85)")
+        if h["shares"]:
+            said.append("stock TRITON_ATTN's attention is " + " and ".join(
+                f"{share:.2f} of its step on the {'breakdown model' if model == 'heavy' else 'benchmark model'}"
+                for model, share in h["shares"].items()) + " (32k, batch 8)")
+        device, versions, bus = data.get("device", {}), data.get("versions", {}), data.get("bus", {})
+        lines += [
+            ("Measured: " + "; ".join(said) + "." if said else "No case of the run was measured: see the notes."), "",
+            f"- command: `{data['command']}` (`make gpu-vllm-bench GPU_OUT=DIR` on the device); "
+            f"{data['elapsed_s']:.0f} s of its {data['setup']['budget_s']:.0f} s budget",
+            "- machine: " + "; ".join([
+                f"{device.get('name', '?')}" + (f" (driver {device['driver']})" if "driver" in device else ""),
+                *([", ".join(f"{k} {v}" for k, v in versions.items())] if versions else []),
+                f"commit {data['commit']}", data["date"], f"data `docs/data/{GPU_VLLM_DATA}`"]),
+            "- pinned host-to-device copy of 256 MiB: " + (
+                f"{bus['h2d_GBps']:.1f} GB/s at the start" if "h2d_GBps" in bus else "not measured")
+            + (f", {bus['h2d_GBps_end']:.1f} at the end" if "h2d_GBps_end" in bus else ""), "",
+            *b.results_table(data), "",
+            "TRITON_ATTN's decode step at 32k, batch 8, split by CUDA events around the model's forward and its "
+            "attention layers:", "",
+            *b.breakdown_table(data), "",
+            *b.configs_table(), "",
+        ]
+    lines += [
+        f"- Per context, one prefill serves every batch size: {batches[0]} requests are prefilled in one step, then "
+        f"decode at each batch size in turn (largest first, {steps + 1} steps each) as requests stop; the first "
+        f"decode step at each batch size is a warm-up, each figure the median of the other {steps}. Step time: the "
+        "wall clock around vLLM's `LLMEngine.step()` (scheduling, one forward, sampling); tokens/s = batch / step "
+        "time. Attention: CUDA events around every attention layer's forward "
+        "(the KV-cache update and the backend's forward, ActiveKV's admission, transfers and host work included; "
+        "the metadata builder runs before the model), summed over the layers.",
+        "- Streaming: host-to-device bytes per step from ActiveKV's telemetry over that step's attention time, "
+        "against one pinned host-to-device copy timed in the same run. The pool is 1/8 of one row's context: 1/8 "
+        "of the contexts at batch 1, 1/64 at batch 8; in LRU order every block crosses the bus at every step at any "
+        "batch.",
+        "- One query head per KV head: ActiveKV prefills on CUDA with its ATen tile path, whose cost grows with query "
+        "heads x context^2, while decode reads grow with KV heads. The breakdown's second model has Llama-3-8B's KV "
+        "bytes per token (16 layers of 16 KV heads of 128), stock only.",
+        f"- The run keeps to a wall-clock budget ({setup['budget_s']:.0f} s): each engine and context is projected "
+        "first and skipped, saying so, when it would not fit; ActiveKV beyond 32k runs last, one engine per context; "
+        f"a batch x context over {setup['max_case_tokens']} prompt tokens is not run (its prefill alone would not "
+        "fit).",
+    ]
+    return lines
+
+
 # --- the page, README's table, the diagram ----------------------------------------------------------------------
 
 def benchmarks_page() -> str:
     cpu, e2e, gpu = load("bench_cpu.json"), load("bench_e2e.json"), load("bench_gpu.json")
+    gpu_vllm = load_optional(GPU_VLLM_DATA)
     lines = [
         "# Benchmarks", "", GENERATED, "",
         "Each section says what its benchmark measures, the command, the machine, then the current table and a plot. "
@@ -356,8 +451,11 @@ def benchmarks_page() -> str:
         f"{cpu['machine']['cpu']}, {cpu['machine']['nproc']} cores, shared |",
         f"| [vLLM end to end, CPU](#vllm-end-to-end-cpu) | `make bench-e2e` | {e2e['machine']['cpu']}, "
         f"{e2e['machine']['nproc']} cores, shared |",
-        f"| [GPU, engine level](#gpu-engine-level) | `make gpu-check` | {gpu['device']} (device tool) |", "",
-        *cpu_section(cpu), "", *e2e_section(e2e), "", *gpu_section(gpu), "",
+        f"| [GPU, engine level](#gpu-engine-level) | `make gpu-check` | {gpu['device']} (device tool) |",
+        "| [vLLM end to end, GPU](#vllm-end-to-end-gpu) | `make gpu-vllm-bench` | "
+        + (f"{gpu_vllm.get('device', {}).get('name', '?')} (device tool) |" if gpu_vllm
+           else "NVIDIA H200 (device tool): not yet measured |"), "",
+        *cpu_section(cpu), "", *e2e_section(e2e), "", *gpu_section(gpu), "", *gpu_vllm_section(gpu_vllm), "",
         "## Tried and not kept", "",
         "Measured, then left out; the commits that tried them hold the figures.", "",
         *(f"- {item}" for item in NOT_KEPT),
@@ -400,10 +498,30 @@ def readme_results() -> str:
          f"{stream['ms']:.1f} ms per step and layer", "gpu-engine-level"),
         (f"Compressed decode, H200, {comp['context'] // 1024}k context in host memory, batch 1",
          f"{comp['ms']:.1f} ms per step and layer", "gpu-engine-level"),
+        *gpu_vllm_readme_rows(load_optional(GPU_VLLM_DATA)),
     ]
     lines = [README_BEGIN, "| result | measured | where |", "|---|---|---|",
              *(f"| {what} | {value} | [benchmarks]({link}{anchor}) |" for what, value, anchor in rows), README_END]
     return "\n".join(lines)
+
+
+def gpu_vllm_readme_rows(data: dict[str, Any] | None) -> list[tuple[str, str, str]]:
+    """README's row for vLLM on the GPU: what the run measured of the headline figures; none before a run."""
+    if data is None:
+        return []
+    from tools import bench_gpu_vllm as b
+
+    h = b.headlines(data)
+    said = []
+    if h["resident_ms"] is not None and h["triton_ms"]:
+        said.append(f"ActiveKV exact, batch resident: {h['resident_ms']:.2f} ms against TRITON_ATTN's "
+                    f"{h['triton_ms']:.2f} ms ({h['resident_ms'] / h['triton_ms']:.2f}x)")
+    if h["streamed_bus"] is not None:
+        said.append(f"streamed from host memory: {_range(h['streamed_bus'], '{:.2f}')} of the pinned bus")
+    if not said:
+        return []
+    return [("vLLM decode, H200, 32k context, batch 8: attention per step (eager, random Llama)", "; ".join(said),
+             "vllm-end-to-end-gpu")]
 
 
 def readme_with_results(text: str) -> str:

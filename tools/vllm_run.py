@@ -62,6 +62,18 @@ STEP_HISTOGRAM = "vllm:iteration_tokens_total"
 PREEMPTION_COUNTER = "vllm:num_preemptions"
 # Telemetry values that are sizes, not event counts: reported as read after the run, never differenced.
 TELEMETRY_GAUGES = frozenset({"engines", "num_layers"})
+# `vllm.LLM` keyword arguments for vLLM's pure-Python tree on a CUDA device, in-process and eager (EngineConfig.extra,
+# with enforce_eager=True), as ../shared/design/GPU_VLLM.md found them required: no custom ops, and vLLM's IR ops on
+# their native implementations (custom ops off does not cover them; CUDA's default order tries the compiled
+# `torch.ops._C.rms_norm` first, absent there); a small device share (kv_cache_memory_bytes, when given, sizes the KV
+# cache instead); no asynchronous scheduling, so each LLMEngine.step() is one forward. tests/test_gpu_vllm.py and
+# tools/bench_gpu_vllm.py run vLLM with these.
+GPU_EAGER_SETTINGS: dict[str, Any] = {
+    "compilation_config": {"custom_ops": ["none"]},
+    "ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"], "gelu_and_mul_sparse": ["native"]},
+    "gpu_memory_utilization": 0.2,
+    "async_scheduling": False,
+}
 
 _newest_engine: weakref.ref[VllmEngine] | None = None
 
