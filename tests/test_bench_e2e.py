@@ -62,7 +62,7 @@ def test_tables_divide_by_cpu_attn_of_the_same_cell() -> None:
                                                ("tiny", "float32", 4096, 8, "default, block 16", 3.0)]
     assert bench_e2e.ttft_ratios(result) == [("tiny", "float32", 2048, "default, block 128", 2.0),
                                              ("tiny", "float32", 2048, "default, block 16", 3.0)]
-    assert bench_e2e.decode_table(result)[2] == "| tiny | float32 | 4k | 8 | 80.0 | 2.00x | 3.00x |"
+    assert bench_e2e.decode_table(result)[2] == "| tiny | float32 | 4k | 8 | 80.0 | 100.0-100.0 | 2.00x | 3.00x |"
     assert bench_e2e.ttft_table(result)[2] == "| tiny | float32 | 2k | 1.00 | 2.00x | 3.00x |"
     assert bench_e2e.memory_extra(result) == [("tiny", "float32", "default", 128, 10.0, 1.0),
                                               ("tiny", "float32", "default", 16, 20.0, 2.0)]

@@ -297,7 +297,8 @@ def gc_collect() -> None:
     gc.collect()
 
 
-def summarise_run(model_key: str, dtype: str, run: Run, cells: list[Cell], memory: list[dict], elapsed_s: float) -> dict:
+def summarise_run(model_key: str, dtype: str, run: Run, cells: list[Cell], memory: list[dict],
+                  elapsed_s: float) -> dict:
     """A run's JSON row: its cells' TTFT and decode figures, and its memory per round."""
     out_cells = []
     for c in cells:
@@ -510,10 +511,11 @@ def _k(tokens: int) -> str:
 
 
 def decode_table(result: dict) -> list[str]:
-    """Decode tokens/s: CPU_ATTN's, then each ActiveKV column's as a ratio to it (above 1: faster)."""
+    """Decode tokens/s: CPU_ATTN's and the spread of its timed steps (a wide one: a slow spell inside the cell),
+    then each ActiveKV column's as a ratio to it (above 1: faster)."""
     cols = columns(result)
-    lines = ["| model | dtype | context | batch | CPU_ATTN tokens/s | " + " | ".join(f"{c} / CPU_ATTN" for c in cols)
-             + " |", "|---|---|---|---|---|" + "---|" * len(cols)]
+    lines = ["| model | dtype | context | batch | CPU_ATTN tokens/s | its steps ms, min-max | "
+             + " | ".join(f"{c} / CPU_ATTN" for c in cols) + " |", "|---|---|---|---|---|---|" + "---|" * len(cols)]
     for model, dtype, base, runs in _groups(result):
         for b in sorted(base["cells"], key=lambda c: (c["context"], c["batch"])):
             if "tokens_per_s" not in b:
@@ -522,8 +524,10 @@ def decode_table(result: dict) -> list[str]:
             for col in cols:
                 c = _cell(runs[col], b["context"], b["batch"]) if col in runs else None
                 cells.append(f"{c['tokens_per_s'] / b['tokens_per_s']:.2f}x" if c and "tokens_per_s" in c else "-")
+            steps = [t for rep in b.get("decode_each_ms", []) for t in rep]
+            spread = f"{min(steps):.1f}-{max(steps):.1f}" if steps else "-"
             lines.append(f"| {model} | {dtype} | {_k(b['context'])} | {b['batch']} | {b['tokens_per_s']:.1f} | "
-                         + " | ".join(cells) + " |")
+                         f"{spread} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -565,8 +569,8 @@ def memory_extra(result: dict) -> list[tuple[str, str, str, int, float, float]]:
 def memory_table(result: dict) -> list[str]:
     """Resident memory per engine: growth of the process RSS over its start (peak and at the end), ActiveKV's
     difference from CPU_ATTN's, and the pool its telemetry reports."""
-    lines = ["| model | dtype | backend | RSS peak growth MiB | RSS end growth MiB | extra over CPU_ATTN, peak / end MiB "
-             "| pool (telemetry) MiB |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | dtype | backend | RSS peak growth MiB | RSS end growth MiB | extra over CPU_ATTN, peak / end "
+             "MiB | pool (telemetry) MiB |", "|---|---|---|---|---|---|---|"]
     for model, dtype, base, runs in _groups(result):
         bp, be = _mib(base["memory"], "rss_peak_mib"), _mib(base["memory"], "rss_end_mib")
         for run in [base, *runs.values()]:
