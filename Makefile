@@ -95,7 +95,7 @@ demo: wheel real-model ## the user's path: install dist/'s wheel into .venv, `ac
 bench: build patch-vllm ## print the decode attention benchmark table, float32 and bfloat16 (docs/benchmarks.md)
 	$(PY) -m tools.bench
 
-bench-e2e: build patch-vllm ## vLLM decode tokens/s on the local model, ActiveKV exact vs CPU_ATTN (docs/benchmarks.md)
+bench-e2e: build patch-vllm ## vLLM end to end: decode tokens/s, TTFT, memory, ActiveKV defaults and pool vs CPU_ATTN (~35 min)
 	$(PY) -m tools.bench_e2e
 
 docs: venv ## render docs/benchmarks.md, its plots and README's results table from docs/data/*.json (tools/docs.py)

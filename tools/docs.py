@@ -11,10 +11,11 @@ Data (each file holds the command that measured it, the machine, the versions, t
   device (tools/bench_gpu_vllm.py); until it is committed, its section says "not yet measured".
 
 Every table comes from its tool's own table functions (tools/bench.py, bench_e2e.py, bench_gpu.py), so a page shows
-what the tool printed. Plots (matplotlib, docs/img/): CPU decode step time against context, vLLM's decode tokens/s
-per backend, GPU decode step time against context, and the way of one decode step through patch, bindings and
-engine. The markdown does not need matplotlib; `--check` compares the markdown and requires every embedded image to
-exist (tests/test_docs.py runs it). A new benchmark adds its data file and a section here.
+what the tool printed. Plots (matplotlib, docs/img/): CPU decode step time against context, ActiveKV's decode
+tokens/s and time to first token over CPU_ATTN's in vLLM per cell, GPU decode step time against context, and the
+way of one decode step through patch, bindings and engine. The markdown does not need matplotlib; `--check` compares
+the markdown and requires every embedded image to exist (tests/test_docs.py runs it). A new benchmark adds its data
+file and a section here.
 """
 
 from __future__ import annotations
@@ -233,65 +234,133 @@ def cpu_plot(cpu: dict[str, Any], path: Path) -> None:
 
 # --- vLLM end to end --------------------------------------------------------------------------------------------
 
-def e2e_headline(e2e: dict[str, Any]) -> str:
-    rows = e2e["rows"]
-    base = rows[0]["tokens_per_s"]
-    return "; ".join(f"{r['backend'].removeprefix('ACTIVEKV ')} {r['tokens_per_s'] / base:.2f}x"
-                     for r in rows[1:])
+def e2e_ranges(e2e: dict[str, Any], config: str = "default") -> dict[int, tuple[str, str]]:
+    """{block size: (decode tokens/s ratio range, TTFT ratio range)} of ActiveKV `config` against CPU_ATTN over every
+    measured cell."""
+    from tools import bench_e2e
+
+    out = {}
+    for block in e2e["setup"]["block_sizes"]:
+        col = bench_e2e.column_name(config, block)
+        dec = [r for *_, c, r in bench_e2e.decode_ratios(e2e) if c == col]
+        ttft = [r for *_, c, r in bench_e2e.ttft_ratios(e2e) if c == col]
+        if dec or ttft:
+            out[block] = (_range(dec) if dec else "n/a", _range(ttft) if ttft else "n/a")
+    return out
+
+
+E2E_MODEL_NAMES = {"tiny": "tiny model", "real": "a 30-layer model's geometry"}
+
+
+def _mib_range(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    lo, hi = min(values), max(values)
+    return f"{lo:+.0f} MiB" if round(lo) == round(hi) else f"{lo:+.0f} to {hi:+.0f} MiB"
+
+
+def _e2e_cells(e2e: dict[str, Any]) -> str:
+    cells = e2e["setup"]["cells"]
+    return "; ".join(f"{m}: decode {', '.join(c['decode'])} (context x batch), TTFT prompts "
+                     f"{', '.join(str(p) for p in c['ttft']) or 'none'}" for m, c in cells.items())
 
 
 def e2e_section(e2e: dict[str, Any]) -> list[str]:
     from tools import bench_e2e
 
     setup = e2e["setup"]
+    default, pool = e2e_ranges(e2e), e2e_ranges(e2e, "pool")
+    extra = [r for r in bench_e2e.memory_extra(e2e) if r[2] == "default"]
+    pool_extra = [r for r in bench_e2e.memory_extra(e2e) if r[2] == "pool"]
     return [
         "## vLLM end to end, CPU", "",
-        f"Decode tokens/s of vLLM {e2e['versions']['vllm']} generating greedily on a tiny random Llama "
-        f"({setup['model'].removeprefix('tiny Llama: ')}), in vLLM's {setup['mode']} mode: {setup['batch']} seeded "
-        f"prompts of {setup['context']} tokens prefilled in one step, then {setup['new_tokens']} decode steps timed "
-        "one by one; the backends take turns in rounds, a fresh engine each. Ratios are decode tokens/s over "
-        "CPU_ATTN's: " + e2e_headline(e2e) + ".", "",
-        f"- command: `{e2e['command']}` (`make bench-e2e` runs the defaults: 8k context, batch 8, 2 rounds)",
+        f"What a vLLM user gets: vLLM {e2e['versions']['vllm']} in its {setup['mode']} mode, greedy, ActiveKV exact "
+        "mode with its default options (on CPU: in place, no pool) and with an explicit pool (`\"placement\": "
+        "\"pool\"`, 256 blocks per layer), at vLLM's default block size 128 and at block 16, against stock CPU_ATTN "
+        "(block 128) in the same run, the same KV cache for each. ActiveKV default options against CPU_ATTN, decode "
+        "tokens/s: " + ", ".join(f"block {b} {d}" for b, (d, _) in default.items()) + "; time to first token: "
+        + ", ".join(f"block {b} {t}" for b, (_, t) in default.items()) + " of its time; extra resident memory "
+        f"over CPU_ATTN's: {_mib_range([p for *_, p, _ in extra])} at its peak, "
+        f"{_mib_range([e for *_, e in extra])} at the end of the run. With the pool: decode "
+        + ", ".join(f"block {b} {d}" for b, (d, _) in pool.items()) + ", TTFT "
+        + ", ".join(f"block {b} {t}" for b, (_, t) in pool.items())
+        + f"; extra memory {_mib_range([p for *_, p, _ in pool_extra])} at its peak, "
+        f"{_mib_range([e for *_, e in pool_extra])} at the end" + ".", "",
+        f"- command: `{e2e['command']}` (`make bench-e2e` runs the defaults), {setup['elapsed_s'] / 60:.0f} min",
         f"- machine: {e2e['machine']['cpu']}, {e2e['machine']['nproc']} cores, load average "
-        f"{e2e['machine']['load_average'][0]:.2f} at start; commit {e2e['commit']}; data `docs/data/bench_e2e.json`",
+        f"{e2e['machine']['load_average'][0]:.2f} at start; "
+        + ", ".join(f"{k} {v}" for k, v in e2e["versions"].items())
+        + f"; commit {e2e['commit']}; data `docs/data/bench_e2e.json`",
+        f"- models: {'; '.join(f'`{k}`, {v}' for k, v in setup['models'].items())}",
+        f"- cells: {_e2e_cells(e2e)}; {setup['new_tokens']} decode steps timed one by one per cell after every "
+        f"row's prefill, {setup['repeats']} repeat(s) x {setup['rounds']} round(s); max_num_batched_tokens "
+        f"{setup['max_num_batched_tokens']}; left out (model:dtype:cell): {', '.join(setup['skipped']) or 'none'}",
         "- The development machine is shared with other engineers' builds and tests, and vLLM runs two threads on its "
-        "two cores, so these timings are noisy: the per-round medians show the spread, and a ratio says no more than "
-        "that spread allows.", "",
-        *bench_e2e.table(e2e), "",
-        "![vLLM decode tokens/s per backend](img/e2e_decode.png)", "",
-        "The native forward calls are ActiveKV's own telemetry: proof that the engine served every layer of every "
-        "step. This run predates the in-place default: every ActiveKV row ran the pooled path. A pool of 256 blocks "
-        "is smaller than the batch's contexts, so exact mode streams them through it every step; the other ActiveKV "
-        "rows size the pool to hold them (`pool_blocks`).",
+        "two cores, so these timings are noisy. The decode table gives CPU_ATTN's fastest and slowest timed step per "
+        "cell: where they are far apart, CPU_ATTN hit a slow spell in that cell and the row's ratios measure it.", "",
+        "Decode tokens/s, ActiveKV over CPU_ATTN (above 1.00x: faster):", "",
+        *bench_e2e.decode_table(e2e), "",
+        "Time to first token, one prompt, ActiveKV's over CPU_ATTN's (below 1.00x: faster):", "",
+        *bench_e2e.ttft_table(e2e), "",
+        "![vLLM end to end: ActiveKV over CPU_ATTN per cell](img/e2e_decode.png)", "",
+        "Resident memory: the process's RSS growth over each engine's start (its peak while it ran, and at its end), "
+        "ActiveKV's difference from CPU_ATTN's, and the pool ActiveKV's telemetry reports "
+        "(pool_blocks x bytes_per_block x layers). The RSS growth is mostly the KV cache "
+        f"({setup['kv_cache_gib']} GiB, the same for every engine) and also holds compiled graphs and allocator "
+        "caches, which vary from engine to engine (CPU_ATTN runs first and compiles the model, where its graphs are not "
+        "cached yet); the pool column is exact.", "",
+        *bench_e2e.memory_table(e2e), "",
+        "Every ActiveKV cell's native forward calls (ActiveKV's own telemetry) are in the JSON: proof that the engine "
+        "served every layer of every step. In place, vLLM's KV cache is the only copy of K and V; the pool keeps a "
+        "second copy of the blocks it holds and copies each missing block into it every step.",
     ]
 
 
 def e2e_plot(e2e: dict[str, Any], path: Path) -> None:
-    """Decode tokens/s per backend: a bar each, with each round's rate as a dot, so the spread shows."""
+    """ActiveKV over CPU_ATTN per cell: decode tokens/s ratios (left) and TTFT ratios (right), a marker per
+    ActiveKV configuration, the line at 1.0 = CPU_ATTN."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = e2e["rows"]
-    batch = e2e["setup"]["batch"]
-    fig, ax = plt.subplots(figsize=(9, 0.75 * len(rows) + 1.6))
-    labels = [r["backend"].replace("ACTIVEKV", "ActiveKV").replace(" (the batch's contexts)", ", holds the batch")
-              for r in rows]
-    ys = list(range(len(rows)))[::-1]
-    ax.barh(ys, [r["tokens_per_s"] for r in rows], color=["#8c564b"] + ["#1f77b4"] * (len(rows) - 1), alpha=0.8,
-            label="median over every round's decode steps")
-    for y, r in zip(ys, rows, strict=True):
-        ax.plot([batch / (ms / 1e3) for ms in r["per_round"]], [y] * len(r["per_round"]), "ko", ms=4)
-    ax.plot([], [], "ko", ms=4, label="each round's median")
-    ax.set_yticks(ys, labels, fontsize=8.5)
-    ax.set_xlabel("decode tokens/s (batch / step time)")
-    fig.suptitle(f"vLLM end to end, CPU: tiny Llama, {e2e['setup']['context'] // 1024}k context, batch {batch}\n"
-                 f"(load average {e2e['machine']['load_average'][0]:.0f} on {e2e['machine']['nproc']} cores: noisy)",
-                 fontsize=10)
-    ax.grid(True, axis="x", alpha=0.3)
-    fig.legend(loc="lower center", ncol=2, frameon=False, fontsize=8.5)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    from matplotlib.ticker import NullFormatter
+
+    from tools import bench_e2e
+
+    cols = bench_e2e.columns(e2e)
+    dec = bench_e2e.decode_ratios(e2e)
+    ttft = bench_e2e.ttft_ratios(e2e)
+    dec_keys = list(dict.fromkeys(f"{m} {d} {c // 1024}k x{b}" for m, d, c, b, _, _ in dec))
+    ttft_keys = list(dict.fromkeys(f"{m} {d} {p / 1024:g}k" for m, d, p, _, _ in ttft))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.28 * max(len(dec_keys), len(ttft_keys), 4) + 2.2))
+    markers = "osD^vx"
+    for ax, keys, points, title, xlabel in (
+            (axes[0], dec_keys, [(f"{m} {d} {c // 1024}k x{b}", col, r) for m, d, c, b, col, r in dec],
+             "decode tokens/s", "ActiveKV tokens/s / CPU_ATTN's (right of 1: faster)"),
+            (axes[1], ttft_keys, [(f"{m} {d} {p / 1024:g}k", col, r) for m, d, p, col, r in ttft],
+             "time to first token (batch 1)", "ActiveKV TTFT / CPU_ATTN's (left of 1: faster)")):
+        ys = {k: len(keys) - 1 - i for i, k in enumerate(keys)}
+        for j, col in enumerate(cols):
+            pts = [(r, ys[k]) for k, c, r in points if c == col]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], markers[j % len(markers)], label=f"ActiveKV {col}",
+                    alpha=0.8, linestyle="none")
+        ax.axvline(1.0, color="#8c564b", lw=1.2)
+        ax.set_yticks(list(ys.values()), list(ys.keys()), fontsize=8)
+        ax.set_xscale("log")
+        ratios = [r for *_, r in points] + [1.0]
+        ticks = [t for t in (0.125, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 8, 16)
+                 if min(ratios) / 1.3 <= t <= max(ratios) * 1.3]
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(xlabel, fontsize=9)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, axis="x", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(cols), frameon=False, fontsize=8.5)
+    fig.suptitle(f"vLLM end to end, CPU: ActiveKV exact over CPU_ATTN (block 128); load average "
+                 f"{e2e['machine']['load_average'][0]:.0f} on {e2e['machine']['nproc']} cores (noisy)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=100, metadata={"Software": None})
     plt.close(fig)
 
@@ -467,7 +536,7 @@ def readme_results() -> str:
     """README.md's results table: the headline of each benchmark, linked to its section."""
     cpu, e2e, gpu = load("bench_cpu.json"), load("bench_e2e.json"), load("bench_gpu.json")
     h = cpu_headlines(cpu)
-    block128 = next(r for r in e2e["rows"] if "block 128" in r["backend"] and r["backend"].startswith("ACTIVEKV"))
+    e2e_default = e2e_ranges(e2e)
     comp = max((r for r in gpu["compressed"] if r["batch"] == 1), key=lambda r: r["context"])
     stream = next(r for r in gpu["streamed"]
                   if r["batch"] == 1 and (r["transfer"], r["kernel"]) == ("mapped", "native"))
@@ -486,11 +555,13 @@ def readme_results() -> str:
         (f"Compressed mode (2048-token budget), decode step, CPU, {h['longest']} tokens, vs CPU_ATTN",
          f"float32 {h['compressed_float32']}, bfloat16 {h['compressed_bfloat16']} faster",
          "cpu-decode-attention-one-layer"),
-        ("Exact mode inside vLLM, decode tokens/s, CPU, vs CPU_ATTN",
-         f"{block128['tokens_per_s'] / e2e['rows'][0]['tokens_per_s']:.2f}x at block 128, pooled path with the "
-         f"contexts resident (tiny model, {e2e['setup']['context'] // 1024}k context, batch "
-         f"{e2e['setup']['batch']}; load average {e2e['machine']['load_average'][0]:.0f} on "
-         f"{e2e['machine']['nproc']} cores: not a reliable ratio, to be re-measured)", "vllm-end-to-end-cpu"),
+        ("Exact mode inside vLLM with its default options (in place), CPU, vs CPU_ATTN (block 128)",
+         "decode tokens/s " + ", ".join(f"{d} at block {b}" for b, (d, _) in e2e_default.items())
+         + "; time to first token " + ", ".join(f"{t} at block {b}" for b, (_, t) in e2e_default.items())
+         + f" of its time ({' and '.join(E2E_MODEL_NAMES[m] for m in e2e['setup']['models'])}, "
+         f"{' and '.join(e2e['setup']['dtypes'])}, vLLM {e2e['setup']['mode']} mode; load average "
+         f"{e2e['machine']['load_average'][0]:.0f} on {e2e['machine']['nproc']} cores)",
+         "vllm-end-to-end-cpu"),
         (f"Exact decode, H200, {longest // 1024}k context in place on the device, batch 1 / 16, vs SDPA flash",
          " / ".join(f"{r['ms']:.3f} ms ({sdpa[(b, longest)]['ms'] / r['ms']:.2f} of its KV read rate)"
                     for b, r in sorted(resident.items())) + " per step and layer", "gpu-engine-level"),
