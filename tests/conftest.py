@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,20 @@ from tools.vllm_run import COMPILE_CACHE_ENV  # noqa: E402 (the repository root 
 
 for _key, _value in COMPILE_CACHE_ENV.items():
     os.environ.setdefault(_key, _value)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """Every test leaves os.environ as it found it. Tools' main() functions set variables before importing vLLM
+    (VLLM_LOGGING_LEVEL among them), and a test that calls one in process would otherwise change the environment of
+    every vLLM started after it, in process or as a child: the serve tests read vLLM's INFO lines from its log."""
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def pytest_configure(config: pytest.Config) -> None:
