@@ -662,6 +662,8 @@ class Run:
         self.out = args.out / JSON_NAME
         self.bus: float | None = None
         self.models: dict[str, Path] = {}
+        from tools.bench import git_commit
+
         self.result: dict[str, Any] = {
             "tool": "tools.bench_gpu_vllm",
             "command": shlex.join(["python", "-m", "tools.bench_gpu_vllm", *argv]),
@@ -803,15 +805,6 @@ class Run:
 def _model_entry(spec: ModelSpec) -> dict[str, Any]:
     return {**asdict(spec), "kv_bytes_per_token": spec.kv_bytes_per_token, "short": spec.short(),
             "describe": spec.describe()}
-
-
-def git_commit() -> str:
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown (no git)"
-    return done.stdout.strip() if done.returncode == 0 else "unknown (no git repository)"
 
 
 def device_facts() -> dict[str, Any]:
