@@ -111,6 +111,20 @@ def test_a_plan_is_checked_against_each_forwards_cache() -> None:
         e.forward(1, plan, q, small, out, 0.1)
 
 
+def test_build_takes_the_step_slot_mapping_and_the_update_still_checks_it_on_cpu() -> None:
+    """build accepts the step's slot mapping (vLLM's builder passes it; a CUDA engine checks it there once, see
+    tests/test_gpu.py); on a CPU engine it is not kept: the update checks its own slot mapping, bad entries included,
+    and changes nothing on a rejected one."""
+    e = engine("native")
+    slots = torch.tensor([BS, 7 * BS * NUM_BLOCKS])
+    e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+            torch.tensor([[1]], dtype=torch.int32), 1, 1, slot_mapping=slots)
+    cache = torch.zeros(NUM_BLOCKS, KVH, BS, 2 * D)
+    with pytest.raises(IndexError, match=rf"slot_mapping\[1\] must be -1 \(padding\) or in \[0, {NUM_BLOCKS * BS}\)"):
+        e.update_kv(0, torch.ones(2, KVH, D), torch.ones(2, KVH, D), cache, slots)
+    assert bool((cache == 0).all()) and e.snapshot()["tokens_written"] == 0
+
+
 @pytest.mark.parametrize("pool", [32, 4])
 def test_cpu_rounds_planned_at_build_match_rounds_made_by_forward(pool: int) -> None:
     """The CPU kernel's rounds (and their task split) are planned at build for build's thread count; a forward at

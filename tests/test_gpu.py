@@ -110,15 +110,99 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def test_store_waits_for_the_kernel_that_writes_the_kv() -> None:
     """A KV update right after a slow kernel that produces the keys must store the produced values, not what the
-    buffer held before (the copy must not race the kernel writing the KV)."""
+    buffer held before (the store is ordered on the stream after the kernel writing the KV, never racing it)."""
     eng, kv = _engine(pool_blocks=8, tile_blocks=4, num_blocks=8)
     src = torch.randn(16, 2, 128, device="cuda")
     key = torch.zeros_like(src)
     torch.cuda._sleep(200_000_000)  # keep the compute stream busy (~0.1 s) ...
     key.copy_(src)  # ... so this write is still queued when update_kv is called
     eng.update_kv(0, key, src, kv, torch.arange(16, device="cuda"))
+    torch.cuda.synchronize()  # the host tier holds the tokens once the stream has run the update
     host_k = kv.view(8, 2, 2, 16, 128)[0, :, 0].transpose(0, 1)  # block 0, K: [bs, KVH, D]
     assert torch.equal(host_k, src.cpu())
+
+
+def _resident_after_prefill(dtype: torch.dtype = torch.float32):
+    """A bf16/fp32 engine whose pinned host tier holds 20 tokens (block 0 full, block 1 at offsets 0-3), both blocks
+    resident in the pool after one forward. Returns (engine, kv, prefill keys [20, KVH, D])."""
+    import activekv._backend as backend
+
+    eng = backend.Engine(1, 8, 2, 128, 16, dtype, 8, 4, device=torch.device("cuda"), kernel="aten")
+    kv = torch.zeros((8, 2, 16, 256), dtype=dtype).pin_memory()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    k = torch.randn(20, 2, 128, device="cuda", generator=g).to(dtype)
+    eng.update_kv(0, k, k, kv, torch.arange(20, device="cuda"))
+    q = torch.randn(1, 8, 128, device="cuda").to(dtype)
+    plan = eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
+                     torch.tensor([[0, 1]], dtype=torch.int32), 1, 1)
+    eng.forward(0, plan, q, kv, torch.empty_like(q), 128 ** -0.5)
+    torch.cuda.synchronize()
+    assert dict(eng.resident(0)).keys() == {0, 1}
+    return eng, kv, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_checked_kv_update_is_queued_without_waiting_for_the_stream(dtype: torch.dtype,
+                                                                  index_dtype: torch.dtype) -> None:
+    """With the step's slot mapping checked by build (vLLM's builder passes common_attn_metadata.slot_mapping), a
+    layer's KV update copies nothing to the host and waits for nothing: it returns while the stream is still busy.
+    Once the stream has run it, the pinned host tier, the resident block's pool copy and the block's key metadata
+    hold the new token (key a strided view, as vLLM's split of its QKV output is; a padding entry skipped)."""
+    eng, kv, k0 = _resident_after_prefill(dtype)
+    qkv = torch.randn(2, 4, 128, device="cuda").to(dtype)
+    key, value = qkv[:, :2], qkv[:, 2:]  # [2, KVH, D], stride(0) = 4 * 128
+    slots = torch.tensor([20, -1], dtype=index_dtype, device="cuda")  # block 1, offset 4; then padding
+    eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([21], dtype=torch.int32),
+              torch.tensor([[0, 1]], dtype=torch.int32), 1, 1, slot_mapping=slots)
+    before = eng.snapshot()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of queued work ahead of the update
+    eng.update_kv(0, key, value, kv, slots)
+    assert not torch.cuda.current_stream().query()  # update_kv returned before the stream reached it
+    torch.cuda.synchronize()
+    host = kv.view(8, 2, 2, 16, 128)
+    assert torch.equal(host[1, :, 0, 4], key[0].cpu()) and torch.equal(host[1, :, 1, 4], value[0].cpu())
+    assert torch.equal(host[1, :, 0, 5], torch.zeros(2, 128, dtype=dtype))  # the padding token wrote nothing
+    slot = dict(eng.resident(0))[1]
+    pool = eng.pool(0)
+    assert torch.equal(pool[slot, :, 0, 4], key[0]) and torch.equal(pool[slot, :, 1, 4], value[0])
+    block_keys = torch.cat([k0[16:20], key[:1]])  # [5, KVH, D]: block 1's keys
+    assert torch.equal(eng.key_min(0)[1], block_keys.amin(0))
+    assert torch.equal(eng.key_max(0)[1], block_keys.amax(0))
+    snap = eng.snapshot()
+    assert snap["write_through_tokens"] - before["write_through_tokens"] == 1
+    assert snap["padding_slots"] - before["padding_slots"] == 1
+    assert snap["bytes_d2h"] - before["bytes_d2h"] == 2 * 2 * 128 * key.element_size()
+
+
+def test_checked_slot_mapping_changed_by_an_op_is_checked_again() -> None:
+    """A slot mapping changed in place after build (its version counter moves) is not trusted: the update copies it
+    and rejects the bad slot before writing anything."""
+    eng, kv, _ = _resident_after_prefill()
+    slots = torch.tensor([20], dtype=torch.int64, device="cuda")
+    eng.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([21], dtype=torch.int32),
+              torch.tensor([[0, 1]], dtype=torch.int32), 1, 1, slot_mapping=slots)
+    slots[0] = 10**6
+    with pytest.raises(IndexError, match=r"slot_mapping\[0\] must be -1 \(padding\) or in \[0, 128\), got 1000000"):
+        eng.update_kv(0, torch.ones(1, 2, 128, device="cuda"), torch.ones(1, 2, 128, device="cuda"), kv, slots)
+
+
+def test_checked_slot_mapping_changed_behind_the_version_counter_writes_nothing_and_build_raises() -> None:
+    """A slot mapping changed after its check without an ATen op seeing it (here through .data) reaches the device
+    kernel with a slot outside the KV cache: the kernel writes nothing for it and the next build raises."""
+    eng, kv, _ = _resident_after_prefill()
+    slots = torch.tensor([20], dtype=torch.int64, device="cuda")
+    args = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([21], dtype=torch.int32),
+            torch.tensor([[0, 1]], dtype=torch.int32), 1, 1)
+    eng.build(*args, slot_mapping=slots)
+    slots.data[0] = 10**6  # no version bump: the record still covers the tensor
+    host_before = kv.clone()
+    eng.update_kv(0, torch.ones(1, 2, 128, device="cuda"), torch.ones(1, 2, 128, device="cuda"), kv, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(kv, host_before)
+    with pytest.raises(RuntimeError, match="slot mapping changed after Engine::build checked it"):
+        eng.build(*args)
+    eng.build(*args)  # reported once
 
 
 @pytest.mark.parametrize("transfer", ["mapped", "staged"])

@@ -257,9 +257,13 @@ PYBIND11_MODULE(_backend, m) {
             const auto block_table = attr_as<at::Tensor>(cm, owner, "block_table_tensor", "a tensor");
             const auto num_reqs = attr_as<int64_t>(cm, owner, "num_reqs", "an int");
             const auto num_actual_tokens = attr_as<int64_t>(cm, owner, "num_actual_tokens", "an int");
+            // The step's slot mapping, checked once here for the layers' KV updates (Engine::build); optional.
+            at::Tensor slot_mapping;
+            if (py::object sm = py::getattr(cm, "slot_mapping", py::none()); !sm.is_none())
+              slot_mapping = cast_named<at::Tensor>(sm, "common_attn_metadata.slot_mapping", "a tensor");
             PlanHandle h{b.engine, {}};
             py::gil_scoped_release release;
-            h.plan = b.engine->build(qsl, seq_lens, block_table, num_reqs, num_actual_tokens);
+            h.plan = b.engine->build(qsl, seq_lens, block_table, num_reqs, num_actual_tokens, slot_mapping);
             return h;
           },
           py::arg("common_prefix_len"), py::arg("common_attn_metadata"), py::arg("fast_build") = false,

@@ -58,19 +58,23 @@ void register_engine(py::module_& m) {
       .def(
           "build",
           [](const std::shared_ptr<Engine>& e, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-             const at::Tensor& block_table, int64_t num_reqs, int64_t num_actual_tokens) {
+             const at::Tensor& block_table, int64_t num_reqs, int64_t num_actual_tokens,
+             std::optional<at::Tensor> slot_mapping) {
             TORCH_CHECK_VALUE(seq_lens.dim() == 1, "seq_lens must be 1-D [num_reqs], got ", seq_lens.sizes());
             PlanHandle h{e, {}};
             {
               py::gil_scoped_release release;
-              h.plan = e->build(query_start_loc, seq_lens, block_table, num_reqs, num_actual_tokens);
+              h.plan = e->build(query_start_loc, seq_lens, block_table, num_reqs, num_actual_tokens,
+                                slot_mapping.value_or(at::Tensor()));
             }
             return h;
           },
           py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_table"), py::arg("num_reqs"),
-          py::arg("num_actual_tokens"),
+          py::arg("num_actual_tokens"), py::arg("slot_mapping") = py::none(),
           "Plan a step from int32/int64 CPU tensors: query_start_loc [>= num_reqs + 1], seq_lens [>= num_reqs], "
-          "block_table [>= num_reqs, W]; num_actual_tokens real query tokens (the engine's build, same order).")
+          "block_table [>= num_reqs, W]; num_actual_tokens real query tokens (the engine's build, same order). "
+          "slot_mapping (optional): the step's, as its KV updates get it; on a CUDA engine, a tensor on its device is "
+          "checked once here so that the updates need not copy it to the host.")
       .def("update_kv", &Engine::update_kv, py::arg("layer"), py::arg("key"), py::arg("value"), py::arg("kv_cache"),
            py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>(),
            "Write key/value [T, KVH, D] into the layer's KV cache at slot_mapping [n <= T] (-1 = padding).")

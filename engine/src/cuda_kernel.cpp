@@ -23,4 +23,14 @@ CudaBatchKernel& batch_slot() {
 const CudaBatchKernel& cuda_batch_kernel() { return batch_slot(); }
 void register_cuda_batch_kernel(const CudaBatchKernel& kernel) { batch_slot() = kernel; }
 
+namespace {
+CudaKvWriteFn& kv_write_slot() {
+  static CudaKvWriteFn fn = nullptr;
+  return fn;
+}
+}  // namespace
+
+CudaKvWriteFn cuda_kv_write() { return kv_write_slot(); }
+void register_cuda_kv_write(CudaKvWriteFn fn) { kv_write_slot() = fn; }
+
 }  // namespace activekv

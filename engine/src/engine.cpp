@@ -198,11 +198,19 @@ void Engine::check_layer(int64_t layer) const {
 }
 
 StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
-                       int64_t num_reqs, int64_t num_actual_tokens) {
+                       int64_t num_reqs, int64_t num_actual_tokens, const at::Tensor& slot_mapping) {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t per_head = config_.mode == Mode::kCompressed ? selection_.per_head() : 0;
   StepPlan p = plan_step(geometry(), query_start_loc, seq_lens, block_table, num_reqs, num_actual_tokens, per_head,
                          device_, telemetry_);
+  step_slots_ = device_.is_cuda() && slot_mapping.defined() && slot_mapping.device() == device_
+                    ? check_step_slots(slot_mapping)
+                    : CheckedSlots();
+  // After the copies of device metadata to the host above (plan_step's, check_step_slots'), which waited for the
+  // stream's earlier KV updates; a flag set by an update still queued shows at a later build.
+  TORCH_CHECK(!kv_.take_write_error(), "a CUDA KV update since the previous step found a slot_mapping entry outside "
+              "the KV cache and wrote nothing for that token: its slot mapping changed after Engine::build checked "
+              "it (the step's metadata and its KV updates must use the same slot mapping)");
   if (path_->batches_units() && !p.selecting) {  // the rounds, unless a layer's selection sizes a unit
     std::vector<UnitBlocks> units(p.num_units());
     for (int64_t u = 0; u < p.num_units(); ++u) units[u] = exact_unit(p, geometry(), u);
@@ -228,8 +236,16 @@ void Engine::update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& v
   std::lock_guard<std::mutex> lock(mu_);
   c10::AutoGradMode no_grad(false);
   ResidentDelta resident{resident_blocks_, kv_.layer(layer)};  // a rebind empties the layer's pool
-  kv_.write(layer, host, key, value, slot_mapping, telemetry_);
+  kv_.write(layer, host, key, value, slot_mapping, telemetry_, &step_slots_);
   telemetry_.add(Counter::kKvUpdateCalls);
+  if (copy_stream_.has_value() && host.is_cpu()) {
+    // The write may still be queued on the compute stream: the copy stream's later gathers of the host tier wait for
+    // it on the device, a CPU gather (staged transfer) on the host.
+    if (!host_written_.has_value()) host_written_.emplace(device_.type());
+    host_written_->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
+    host_written_->block(*copy_stream_);
+    host_write_pending_ = true;
+  }
 }
 
 void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& query, const at::Tensor& kv_cache,
@@ -357,6 +373,10 @@ std::vector<int64_t> Engine::admit_unit(LayerState& L, const at::Tensor& host, U
   if (!adm.miss_blocks.empty()) {
     int64_t bytes = 0;
     if (copy_stream_.has_value() && host.is_cpu()) {  // tiered
+      if (config_.transfer == Transfer::kStaged && host_write_pending_) {
+        host_written_->synchronize();  // the CPU gather reads what the device wrote
+        host_write_pending_ = false;
+      }
       bytes = config_.transfer == Transfer::kMapped
                   ? copy_blocks_mapped(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy_stream_)
                   : copy_blocks_staged(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy_stream_);

@@ -1,5 +1,7 @@
 // Key-value state (kv_state.h): the layers' pools, page tables and key metadata, host-tier binding, and the KV update.
 #include <activekv/check.h>
+#include <activekv/cuda_kernel.h>
+#include <activekv/host_tier.h>
 #include <activekv/kv_state.h>
 #include <activekv/transfer.h>
 
@@ -188,8 +190,46 @@ void KVState::bind_host(int64_t index, const at::Tensor& host, Telemetry& t) {
   l.key_max = at::full({nb, g_.num_kv_heads, g_.head_size}, -kInf, opts);
 }
 
+bool CheckedSlots::covers(const at::Tensor& slot_mapping) const {
+  if (!tensor.defined() || !slot_mapping.defined() || slot_mapping.dim() != 1) return false;
+  if (slot_mapping.data_ptr() != tensor.data_ptr() || slot_mapping.scalar_type() != tensor.scalar_type() ||
+      slot_mapping.device() != tensor.device() || slot_mapping.size(0) > static_cast<int64_t>(values.size()) ||
+      (slot_mapping.size(0) > 1 && slot_mapping.stride(0) != tensor.stride(0)))
+    return false;
+  // Views share their base's version counter: an in-place ATen op on any of them since the check shows here.
+  if (slot_mapping.is_inference() != tensor.is_inference()) return false;
+  return slot_mapping.is_inference() || static_cast<int64_t>(slot_mapping._version()) == version;
+}
+
+CheckedSlots check_step_slots(const at::Tensor& slot_mapping) {
+  CheckedSlots c;
+  if (!slot_mapping.defined() || !slot_mapping.is_cuda() || slot_mapping.dim() != 1 ||
+      (slot_mapping.scalar_type() != at::kLong && slot_mapping.scalar_type() != at::kInt))
+    return c;
+  const auto version = slot_mapping.is_inference() ? int64_t{-1} : static_cast<int64_t>(slot_mapping._version());
+  const auto cpu = slot_mapping.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* v = cpu.data_ptr<int64_t>();
+  const int64_t n = cpu.size(0);
+  std::unordered_set<int64_t> seen;
+  seen.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    if (v[i] < -1 || (v[i] >= 0 && !seen.insert(v[i]).second)) return c;
+  c.tensor = slot_mapping;
+  c.version = version;
+  c.values.assign(v, v + n);
+  return c;
+}
+
+bool KVState::take_write_error() {
+  if (!write_error_.defined()) return false;
+  auto* flag = static_cast<volatile int32_t*>(write_error_.data_ptr());
+  if (*flag == 0) return false;
+  *flag = 0;
+  return true;
+}
+
 void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key, const at::Tensor& value,
-                    const at::Tensor& slot_mapping, Telemetry& t) {
+                    const at::Tensor& slot_mapping, Telemetry& t, const CheckedSlots* checked) {
   layer(index);  // index check
   const int64_t kvh = g_.num_kv_heads, d = g_.head_size, bs = g_.block_size;
   for (const auto& [name, x] : {std::pair<const char*, const at::Tensor*>{"key", &key}, {"value", &value}}) {
@@ -219,9 +259,19 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
   const int64_t n = slot_mapping.size(0);
   AKV_CHECK_VALUE(n <= key.size(0), "slot_mapping has ", n, " entries but key holds only ", key.size(0), " tokens");
 
-  // Validate every slot before writing anything: a bad entry leaves both tiers as they were.
-  auto sm = slot_mapping.to(at::kCPU, at::kLong).contiguous();
-  const int64_t* sp = sm.data_ptr<int64_t>();
+  // Validate every slot before writing anything: a bad entry leaves both tiers as they were. The CUDA kernel reads the
+  // slots on the device; their host copy is the step's checked one where it covers this tensor (no synchronisation),
+  // else a copy (which waits for the stream on a device slot mapping).
+  const bool kernel = device_.is_cuda() && cuda_kv_write() != nullptr;
+  const bool trusted = kernel && checked != nullptr && checked->covers(slot_mapping);
+  at::Tensor sm;
+  const int64_t* sp = nullptr;
+  if (trusted) {
+    sp = checked->values.data();
+  } else {
+    sm = slot_mapping.to(at::kCPU, at::kLong).contiguous();
+    sp = sm.data_ptr<int64_t>();
+  }
   const int64_t num_slots = host.size(0) * bs;
   std::vector<int64_t> tok, blk, off, reset;
   std::unordered_set<int64_t> seen;
@@ -234,8 +284,9 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
     }
     AKV_CHECK_INDEX(s >= 0 && s < num_slots, "slot_mapping[", i, "] must be -1 (padding) or in [0, ", num_slots,
                     "), got ", s);
-    // Two tokens into one slot would make the write order (and so the bytes) unspecified.
-    AKV_CHECK_VALUE(seen.insert(s).second, "slot_mapping[", i, "] = ", s, " repeats an earlier slot");
+    // Two tokens into one slot would make the write order (and so the bytes) unspecified. (A checked slot mapping
+    // has no repeat.)
+    AKV_CHECK_VALUE(trusted || seen.insert(s).second, "slot_mapping[", i, "] = ", s, " repeats an earlier slot");
     tok.push_back(i);
     blk.push_back(s / bs);
     off.push_back(s % bs);
@@ -264,6 +315,30 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
       default: AKV_CHECK_TYPE(false, "KV dtype must be float32, bfloat16 or float16, got ", g_.dtype);
     }
     t.add(Counter::kTokensWritten, nt);
+    if (through > 0) t.add(Counter::kWriteThroughTokens, through);
+    return;
+  }
+  if (kernel) {
+    // Two launches on the current stream, after the compute that produced key and value: the host tier (through its
+    // device mapping when it is pinned host memory), the pool copies of resident blocks (found in the page table on
+    // the device, brought up to date first) and the key metadata.
+    int64_t through = 0;
+    for (const int64_t b : blk) through += l.slot_of_block[b] >= 0 ? 1 : 0;
+    if (!write_error_.defined()) write_error_ = pinned_host_zeros(sizeof(int32_t));
+    CudaKvWriteArgs a;
+    a.host = host;
+    a.pool = l.pool;
+    if (through > 0) a.page = device_page(index);
+    a.key_min = l.key_min;
+    a.key_max = l.key_max;
+    a.key = key;
+    a.value = value;
+    a.slot_mapping = slot_mapping.device() == device_ ? slot_mapping
+                                                      : sm.pin_memory().to(device_, /*non_blocking=*/true);
+    a.error = static_cast<int32_t*>(write_error_.data_ptr());
+    cuda_kv_write()(a);
+    t.add(Counter::kTokensWritten, nt);
+    if (host.device() != device_) t.add(Counter::kBytesD2H, 2 * nt * kvh * d * static_cast<int64_t>(key.element_size()));
     if (through > 0) t.add(Counter::kWriteThroughTokens, through);
     return;
   }

@@ -148,10 +148,19 @@ std::vector<RowSelection> select_rows(const StepPlan& plan, LayerState& layer, c
   // Record, in row order: the union of the heads' blocks (admitted, all pinned while the row attends), the layer's
   // last selection and the counters.
   const int64_t kvh = layer.key_min.size(1), m = sel.per_head();
-  for (size_t i : selecting) {
+  // Off the CPU, every row's positions come to the host in one copy (one wait for the device per layer, not per row).
+  at::Tensor all_pos;
+  if (!selecting.empty() && !query.is_cpu()) {
+    std::vector<at::Tensor> rows_pos;
+    rows_pos.reserve(selecting.size());
+    for (size_t i : selecting) rows_pos.push_back(out[i].pos);
+    all_pos = at::stack(rows_pos).to(at::kCPU);  // [rows, KVH, m]
+  }
+  for (size_t j = 0; j < selecting.size(); ++j) {
+    const size_t i = selecting[j];
     const PlannedRow& w = plan.rows[i];
     RowSelection& s = out[i];
-    s.pos_cpu = s.pos.to(at::kCPU).contiguous();
+    s.pos_cpu = all_pos.defined() ? all_pos[static_cast<int64_t>(j)] : s.pos.to(at::kCPU).contiguous();
     const int64_t* pp = s.pos_cpu.data_ptr<int64_t>();
     s.union_pos.assign(pp, pp + kvh * m);
     std::sort(s.union_pos.begin(), s.union_pos.end());

@@ -98,4 +98,34 @@ struct CudaBatchKernel {
 const CudaBatchKernel& cuda_batch_kernel();
 void register_cuda_batch_kernel(const CudaBatchKernel& kernel);
 
+/// The KV update on a CUDA device (kv_state.h KVState::write): every token of the slot mapping written, by two launches
+/// on the current stream, into the host tier, the pool copy of its block where the block is resident, and the key
+/// metadata of its block. No host synchronisation and no host loop: the slots are read on the device.
+///
+/// Launch 1, grid (token, KV head): K and V to the host tier at (slot / block_size, slot % block_size) and, where
+/// page[block] >= 0, to that pool slot; a token at offset 0 resets its block's key min/max to +inf / -inf (vLLM fills a
+/// fresh block from offset 0). Launch 2, same grid: each key folded into its block's min/max with a compare-and-swap
+/// loop (NaN propagates, as scatter_reduce's amin/amax; of -0 and +0 and of two NaN payloads either may stay, as ATen
+/// leaves them unspecified). Copies are exact, so the bytes equal the ATen ops' but for those ties.
+///
+/// A slot outside [-1, num_slots) writes nothing for its token and sets *error (the caller checked the slots before,
+/// so this only guards against a slot mapping changed after its check).
+struct CudaKvWriteArgs {
+  at::Tensor host;          ///< [num_blocks, num_kv_heads, 2, block_size, head_size] any strides: device memory, or
+                            ///< pinned host memory mapped into the device (host pointer = device pointer, UVA)
+  at::Tensor pool;          ///< [pool_blocks, num_kv_heads, 2, block_size, head_size] contiguous on the device
+  at::Tensor page;          ///< int32 [num_blocks] on the device, block -> pool slot or -1; undefined: no pool copies
+  at::Tensor key_min;       ///< [num_blocks, num_kv_heads, head_size] contiguous on the device, the KV dtype
+  at::Tensor key_max;       ///< same
+  at::Tensor key, value;    ///< [>= n, num_kv_heads, head_size] any strides on the device, the KV dtype
+  at::Tensor slot_mapping;  ///< int32 or int64 [n] on the device, any stride: slot of token i, -1 = padding
+  int32_t* error = nullptr; ///< host-mapped flag set to 1 on a slot out of range (may be null)
+};
+
+using CudaKvWriteFn = void (*)(const CudaKvWriteArgs&);
+
+/// The registered KV update kernel, or nullptr in a build without CUDA (KVState::write then uses ATen ops).
+CudaKvWriteFn cuda_kv_write();
+void register_cuda_kv_write(CudaKvWriteFn fn);
+
 }  // namespace activekv

@@ -17,6 +17,8 @@
 #include <activekv/telemetry.h>
 #include <activekv/transfer.h>
 
+#include <c10/core/Event.h>
+
 #include <limits>
 #include <memory>
 #include <optional>
@@ -129,14 +131,21 @@ class Engine {
   /// @param query_start_loc [>= num_reqs + 1] integer, CPU, non-decreasing from 0
   /// @param seq_lens [>= num_reqs] integer, CPU
   /// @param block_table [>= num_reqs, max_blocks] integer, CPU
-  /// @throws c10::ValueError / c10::TypeError naming the argument on any inconsistency.
+  /// @param slot_mapping optional: the step's slot mapping, as the layers' KV updates will get it. On a CUDA engine
+  ///        with the tensor on its device, its entries are copied to the host and checked here, once for the step
+  ///        (kv_state.h CheckedSlots), so that each layer's update reads them on the device only.
+  /// @throws c10::ValueError / c10::TypeError naming the argument on any inconsistency; c10::Error (RuntimeError)
+  ///         when a CUDA KV update since the last build found a slot outside the KV cache on the device (a slot
+  ///         mapping changed after its check).
   StepPlan build(const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_table,
-                 int64_t num_reqs, int64_t num_actual_tokens);
+                 int64_t num_reqs, int64_t num_actual_tokens, const at::Tensor& slot_mapping = at::Tensor());
 
   /// KV update of one layer (vLLM's do_kv_cache_update).
   /// @param key, value [num_tokens, num_kv_heads, head_size], geometry dtype
   /// @param kv_cache the layer's host tier, see as_block_layout
   /// @param slot_mapping [n <= num_tokens] int64 (int32 accepted), -1 = padding
+  /// On CUDA with the CUDA kernel built the write is ordered on the current stream and does not wait for it
+  /// (KVState::write): a pinned host tier holds the tokens once the stream has run them.
   void update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& value, const at::Tensor& kv_cache,
                  const at::Tensor& slot_mapping);
 
@@ -177,6 +186,11 @@ class Engine {
   uint64_t clock_ = 0;
   std::unordered_map<std::string, int64_t> layer_names_;
   std::optional<c10::Stream> copy_stream_;  ///< CUDA pool only: host-to-device copies of a pinned host tier
+  /// CUDA: recorded on the compute stream after each KV update of a pinned host tier; the copy stream waits for it
+  /// (its gathers read the host tier), and the staged transfer's CPU gather synchronises with it while pending.
+  std::optional<c10::Event> host_written_;
+  bool host_write_pending_ = false;
+  CheckedSlots step_slots_;  ///< the last build's checked slot mapping (CUDA), trusted by the step's KV updates
   std::unique_ptr<ForwardPath> path_;        ///< chosen at construction (forward_path.h make_forward_path)
   int64_t resident_blocks_ = 0;              ///< occupied pool slots summed over layers (the gauge), kept by deltas
   mutable std::mutex mu_;

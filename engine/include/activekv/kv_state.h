@@ -63,6 +63,23 @@ inline void note_page_change(LayerState& layer, int64_t b) {
 /// block_of_slot (pool) and slot_of_block (host blocks), which must be sized already.
 void reset_page_table(LayerState& layer);
 
+/// A step's slot mapping on a CUDA device, its entries checked on the host once (Engine::build, where the step's
+/// metadata is copied to the host already), so that each layer's KV update of the step reads it on the device only.
+/// An update trusts it only for the same tensor unchanged (covers); any other slot mapping is checked as before.
+struct CheckedSlots {
+  at::Tensor tensor;            ///< the checked tensor, held (its memory cannot pass for another tensor's)
+  int64_t version = -1;         ///< its version counter when checked; -1 for an inference tensor (no counter)
+  std::vector<int64_t> values;  ///< its entries: each -1 (padding) or >= 0, no slot twice
+  /// Whether `slot_mapping` is the checked tensor or a prefix view of it, unchanged by any ATen op since the check:
+  /// same memory, dtype, device and stride, no more entries, same version counter.
+  bool covers(const at::Tensor& slot_mapping) const;
+};
+
+/// Check a step's slot mapping (copied to the host once). @return the record, or an empty one (covers nothing) when the
+/// tensor is not a 1-D int32/int64 CUDA tensor, or an entry is below -1 or repeats: the KV update then checks it
+/// itself and raises its own error.
+CheckedSlots check_step_slots(const at::Tensor& slot_mapping);
+
 /// The two tiers of every layer.
 class KVState {
  public:
@@ -95,11 +112,23 @@ class KVState {
   /// @param host [num_blocks, num_kv_heads, 2, block_size, head_size] from host_view
   /// @param key, value [num_tokens, num_kv_heads, head_size], geometry dtype, same device
   /// @param slot_mapping [n] int64 with n <= num_tokens: slot of token i, or -1 (PAD_SLOT_ID) to skip
+  ///
+  /// On a CUDA device with the CUDA kernel built, the write is two launches on the current stream (cuda_kernel.h
+  /// CudaKvWriteArgs) that read the slots on the device: nothing synchronises with the host, and a pinned host tier
+  /// holds the tokens only once the stream has run them (a host reader synchronises first). The slots are checked on
+  /// the host before anything is written: from `checked` when it covers slot_mapping (no copy), else by copying
+  /// slot_mapping to the host.
+  /// @param checked the step's checked slot mapping (Engine::build), or null
   /// @throws c10::IndexError for a slot outside [-1, num_blocks * block_size); c10::ValueError / c10::TypeError for
   ///         a key, value or slot_mapping of the wrong dtype, shape or device, a repeated slot, a meta tensor, or a
   ///         kv_cache, key or value that requires grad.
   void write(int64_t layer, const at::Tensor& host, const at::Tensor& key, const at::Tensor& value,
-             const at::Tensor& slot_mapping, Telemetry& t);
+             const at::Tensor& slot_mapping, Telemetry& t, const CheckedSlots* checked = nullptr);
+
+  /// Whether a CUDA KV update since the last call found a slot outside the KV cache on the device (it wrote nothing
+  /// for that token); clears the flag. Only a slot mapping changed after its check gets there. Read after a host
+  /// synchronisation with the stream (Engine::build's copies of the step metadata).
+  bool take_write_error();
 
   /// Forget every resident block of a layer (the pool's bytes stay; nothing reads a free slot).
   void reset_layer(int64_t layer);
@@ -113,6 +142,7 @@ class KVState {
   int64_t pool_blocks_;
   at::Device device_;
   std::vector<LayerState> layers_;
+  at::Tensor write_error_;  ///< int32 [1] in pinned host memory mapped into the device: the CUDA write's error flag
 };
 
 }  // namespace activekv

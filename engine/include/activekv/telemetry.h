@@ -43,7 +43,7 @@ enum class Counter : int {
   kBlocksEvicted,        ///< resident blocks evicted (least recently used, unpinned) to make room
   kBlocksHit,            ///< blocks found resident when a tile asked for them
   kBytesH2D,             ///< bytes copied host tier -> pool
-  kBytesD2H,             ///< bytes of new K/V copied device -> host tier by KV updates (tiered only; else 0)
+  kBytesD2H,             ///< bytes of new K/V written device -> host tier by KV updates (tiered only; else 0)
   kTilesComputed,        ///< attention tiles computed (one per request row per tile)
   kHostRebinds,          ///< times a layer's host tier changed storage and its pool/page table was reset
   kCompressedRows,       ///< decode rows that attended a selection (compressed mode, context beyond the budget)
