@@ -687,8 +687,9 @@ def fuzz_kv_state_write(gs, data) -> None:
     step = data.draw(steps(gs))
     s = kv_state.KVState(gs.num_layers, gs.num_heads, gs.num_kv_heads, gs.head_size, gs.block_size, gs.dtype,
                          gs.tile_blocks)
+    # The reference in compressed mode keeps key metadata, as the KVState (key_metadata defaults to True) does.
     r = ref.RefEngine(gs.num_layers, gs.num_heads, gs.num_kv_heads, gs.head_size, gs.block_size, gs.dtype,
-                      gs.tile_blocks, gs.tile_blocks)
+                      gs.tile_blocks, gs.tile_blocks, mode="compressed")
     cache = torch.randn(step.host_blocks, gs.num_kv_heads, gs.block_size, 2 * gs.head_size).to(gs.dtype)
     rcache = cache.clone()
     key = torch.randn(step.tokens, gs.num_kv_heads, gs.head_size).to(gs.dtype)

@@ -522,11 +522,13 @@ def test_engine_accessors_hand_out_copies() -> None:
     """pool(layer) / key_min(layer) returned the engine's own tensors: set_() on one swapped the engine's storage and
     the next step read or wrote out of bounds."""
     e = backend.Engine(1, H, KVH, D, BS, torch.float32, 4, 2)
-    cache = torch.zeros(4, KVH, BS, 2 * D)
+    c = backend.Engine(1, H, KVH, D, BS, torch.float32, 0, 2, mode="compressed", placement="in_place")  # key min/max
+    cache, c_cache = torch.zeros(4, KVH, BS, 2 * D), torch.zeros(4, KVH, BS, 2 * D)
     e.update_kv(0, torch.ones(3, KVH, D), torch.ones(3, KVH, D), cache, torch.arange(3))
-    for got in (e.pool(0), e.key_min(0), e.key_max(0)):
+    c.update_kv(0, torch.ones(3, KVH, D), torch.ones(3, KVH, D), c_cache, torch.arange(3))
+    for got in (e.pool(0), c.key_min(0), c.key_max(0)):
         got.set_(torch.empty(0))
-    assert e.pool(0).shape == (4, KVH, 2, BS, D) and e.key_min(0).shape == (4, KVH, D)
+    assert e.pool(0).shape == (4, KVH, 2, BS, D) and c.key_min(0).shape == c.key_max(0).shape == (4, KVH, D)
     plan = e.build(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
                    torch.zeros(1, 1, dtype=torch.int32), 1, 1)
     out = torch.empty(1, H, D)
@@ -660,12 +662,47 @@ def test_a_static_forward_context_that_is_no_dict_is_named() -> None:
 
 
 def test_key_min_and_key_max_are_in_the_kv_dtype() -> None:
-    e = backend.Engine(1, H, KVH, D, BS, torch.bfloat16, 4, 2)
+    e = backend.Engine(1, H, KVH, D, BS, torch.bfloat16, 0, 2, mode="compressed", placement="in_place")
     k = torch.randn(3, KVH, D).to(torch.bfloat16)
     e.update_kv(0, k, k, torch.zeros(2, KVH, BS, 2 * D, dtype=torch.bfloat16), torch.arange(3))
     assert e.key_min(0).dtype == e.key_max(0).dtype == torch.bfloat16
     for doc in (backend.Engine.key_min.__doc__, backend.Engine.key_max.__doc__):
         assert "in the KV dtype" in doc and "float32" not in doc
+
+
+KEY_METADATA_BY_MODE = '''
+import torch
+import activekv._backend as backend
+import activekv._telemetry as telemetry
+L, H, KVH, D, BS, NB = 2, 4, 2, 32, 16, 12
+def gauge():
+    return {f.name: f.samples[0].value for f in telemetry.Collector().collect()}["activekv_key_metadata_bytes"]
+def engine(dtype, **kw):
+    e = backend.Engine(L, H, KVH, D, BS, dtype, kw.pop("pool_blocks", 0), 2, **kw)
+    for layer in range(L):
+        e.update_kv(layer, torch.ones(3, KVH, D, dtype=dtype), torch.ones(3, KVH, D, dtype=dtype),
+                    torch.zeros(NB, KVH, BS, 2 * D, dtype=dtype), torch.arange(3))
+    return e
+out = []
+exact = [engine(torch.float32, placement="in_place"), engine(torch.bfloat16, pool_blocks=4)]
+out.append([e.key_min(0) is None and e.key_max(1) is None for e in exact] + [gauge()])
+c = engine(torch.bfloat16, placement="in_place", mode="compressed")
+out.append([c.key_min(1).shape == c.key_max(0).shape == (NB, KVH, D), gauge()])
+print(out)
+'''
+
+
+def test_exact_mode_holds_no_key_metadata_and_compressed_does() -> None:
+    """Exact mode never reads per-block key min/max (1/block_size of the KV cache's bytes): it allocates none, in place
+    or with a pool; compressed mode holds them for every block of every layer. activekv_key_metadata_bytes says so.
+    A subprocess: the gauge sums every live engine of the process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", KEY_METADATA_BY_MODE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    compressed_bytes = 2 * 12 * KVH * D * 2 * 2  # (min, max) x blocks x heads x dims x bf16 bytes x layers
+    assert done.stdout.strip() == str([[True, True, 0.0], [True, float(compressed_bytes)]])
 
 
 def test_engine_build_takes_the_engines_argument_order() -> None:

@@ -331,3 +331,46 @@ def test_engine_parallel_for_uses_the_intra_op_threads() -> None:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="n must be >= 1, got 0"):
         backend.parallel_for_threads(0)
+
+
+def _long_prefill(dtype: torch.dtype, kernel: str, threads: int) -> list[torch.Tensor]:
+    """Two prefill chunks of one request on an in-place engine (9 query heads, GQA 3, head size 64, block 16): 1100
+    tokens, then 300 more after them. The CPU path splits the first chunk's rows into tasks per KV head, GQA group
+    member and run of 512 tokens (two runs and a short one), the second (at most 512 tokens) by KV heads only; the
+    kernel scores both with its matrix-product scorer (16 query rows or more per call)."""
+    h, kvh, d, bs, first, second = 9, 3, 64, 16, 1100, 300
+    seq = first + second
+    nb = -(-seq // bs)
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(seq, kvh, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(seq, h, d, generator=gen).to(dtype)
+    cache = torch.zeros(nb, kvh, bs, 2 * d, dtype=dtype)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        e = backend.Engine(1, h, kvh, d, bs, dtype, 0, 16, placement="in_place", kernel=kernel)
+        outs = []
+        for start, n in ((0, first), (first, second)):
+            e.update_kv(0, k[start:start + n], v[start:start + n], cache, torch.arange(start, start + n))
+            plan = e.build(torch.tensor([0, n], dtype=torch.int32), torch.tensor([start + n], dtype=torch.int32),
+                           torch.arange(nb, dtype=torch.int32).view(1, nb), 1, n)
+            out = torch.empty(n, h, d, dtype=dtype)
+            e.forward(0, plan, q[start:start + n], cache, out, d ** -0.5)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(previous)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_long_prefill_chunks_within_tolerance_and_bit_identical_across_threads(dtype: torch.dtype) -> None:
+    """Prefill chunks of hundreds of tokens (the rows split over tasks, the kernel's matrix-product scorer): within
+    the kernel's tolerance of the ATen path (one thread), bit-identical run to run and for 1 and 2 threads."""
+    one = _long_prefill(dtype, "native", 1)
+    two = _long_prefill(dtype, "native", 2)
+    again = _long_prefill(dtype, "native", 2)
+    aten = _long_prefill(dtype, "aten", 1)
+    assert all(torch.equal(a, b) for a, b in zip(one, two)) and all(torch.equal(a, b) for a, b in zip(two, again))
+    tol = TOLERANCE[dtype]
+    for i, (a, b) in enumerate(zip(two, aten)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"chunk {i}: {m}")

@@ -122,12 +122,12 @@ def test_store_waits_for_the_kernel_that_writes_the_kv() -> None:
     assert torch.equal(host_k, src.cpu())
 
 
-def _resident_after_prefill(dtype: torch.dtype = torch.float32):
+def _resident_after_prefill(dtype: torch.dtype = torch.float32, mode: str = "exact"):
     """A bf16/fp32 engine whose pinned host tier holds 20 tokens (block 0 full, block 1 at offsets 0-3), both blocks
     resident in the pool after one forward. Returns (engine, kv, prefill keys [20, KVH, D])."""
     import activekv._backend as backend
 
-    eng = backend.Engine(1, 8, 2, 128, 16, dtype, 8, 4, device=torch.device("cuda"), kernel="aten")
+    eng = backend.Engine(1, 8, 2, 128, 16, dtype, 8, 4, device=torch.device("cuda"), mode=mode, kernel="aten")
     kv = torch.zeros((8, 2, 16, 256), dtype=dtype).pin_memory()
     g = torch.Generator(device="cuda").manual_seed(5)
     k = torch.randn(20, 2, 128, device="cuda", generator=g).to(dtype)
@@ -141,15 +141,17 @@ def _resident_after_prefill(dtype: torch.dtype = torch.float32):
     return eng, kv, k
 
 
+@pytest.mark.parametrize("mode", ["exact", "compressed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_checked_kv_update_is_queued_without_waiting_for_the_stream(dtype: torch.dtype,
-                                                                  index_dtype: torch.dtype) -> None:
+def test_checked_kv_update_is_queued_without_waiting_for_the_stream(dtype: torch.dtype, index_dtype: torch.dtype,
+                                                                  mode: str) -> None:
     """With the step's slot mapping checked by build (vLLM's builder passes common_attn_metadata.slot_mapping), a
     layer's KV update copies nothing to the host and waits for nothing: it returns while the stream is still busy.
     Once the stream has run it, the pinned host tier, the resident block's pool copy and the block's key metadata
-    hold the new token (key a strided view, as vLLM's split of its QKV output is; a padding entry skipped)."""
-    eng, kv, k0 = _resident_after_prefill(dtype)
+    hold the new token (key a strided view, as vLLM's split of its QKV output is; a padding entry skipped). Key
+    metadata exists in compressed mode only."""
+    eng, kv, k0 = _resident_after_prefill(dtype, mode)
     qkv = torch.randn(2, 4, 128, device="cuda").to(dtype)
     key, value = qkv[:, :2], qkv[:, 2:]  # [2, KVH, D], stride(0) = 4 * 128
     slots = torch.tensor([20, -1], dtype=index_dtype, device="cuda")  # block 1, offset 4; then padding
@@ -167,8 +169,11 @@ def test_checked_kv_update_is_queued_without_waiting_for_the_stream(dtype: torch
     pool = eng.pool(0)
     assert torch.equal(pool[slot, :, 0, 4], key[0]) and torch.equal(pool[slot, :, 1, 4], value[0])
     block_keys = torch.cat([k0[16:20], key[:1]])  # [5, KVH, D]: block 1's keys
-    assert torch.equal(eng.key_min(0)[1], block_keys.amin(0))
-    assert torch.equal(eng.key_max(0)[1], block_keys.amax(0))
+    if mode == "compressed":
+        assert torch.equal(eng.key_min(0)[1], block_keys.amin(0))
+        assert torch.equal(eng.key_max(0)[1], block_keys.amax(0))
+    else:
+        assert eng.key_min(0) is None and eng.key_max(0) is None
     snap = eng.snapshot()
     assert snap["write_through_tokens"] - before["write_through_tokens"] == 1
     assert snap["padding_slots"] - before["padding_slots"] == 1

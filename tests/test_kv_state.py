@@ -144,6 +144,25 @@ def test_key_metadata_is_undefined_before_the_first_bind() -> None:
     assert torch.equal(state.key_max(0), torch.full((NUM_BLOCKS, NUM_KV_HEADS, HEAD_SIZE), float("-inf")))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_without_key_metadata_writes_keep_none_and_the_same_tiers(dtype: torch.dtype) -> None:
+    """key_metadata=False (an exact engine's state): no key min/max after a bind or a write, and the host tier and
+    the pool hold the same bytes as a state that keeps them."""
+    bare = kv_state.KVState(1, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype, POOL_BLOCKS,
+                            key_metadata=False)
+    full = make_state(dtype)
+    cache, full_cache = vllm_cache(dtype), vllm_cache(dtype)
+    bare.bind_host(0, cache)
+    assert bare.key_min(0) is None and bare.key_max(0) is None
+    prompt = list(range(2 * BLOCK_SIZE + 2)) + [-1]
+    key, value = kv_tokens(len(prompt), dtype, seed=12)
+    bare.write(0, cache, key, value, torch.tensor(prompt))
+    full.write(0, full_cache, key, value, torch.tensor(prompt))
+    assert bare.key_min(0) is None and bare.key_max(0) is None and full.key_min(0) is not None
+    assert torch.equal(cache, full_cache) and torch.equal(bare.pool(0), full.pool(0))
+    assert bare.counters()["tokens_written"] == full.counters()["tokens_written"] == len(prompt) - 1
+
+
 def test_layers_are_independent() -> None:
     state = make_state(num_layers=2)
     cache0, cache1 = vllm_cache(torch.float32, seed=1), vllm_cache(torch.float32, seed=2)

@@ -27,8 +27,9 @@ each phase, for both layers:
   referenced at least pool_blocks distinct blocks, every resident block is one of that step's blocks: a freed block
   outlives no such step (LRU: the pool then holds the step's pool_blocks most recently used blocks). A step that
   references fewer blocks may leave freed blocks resident; they are only checked for coherence.
-- key metadata: for every block a step used, the engine's per-KV-head, per-dimension key min/max (what compressed
-  mode selects by; every KV update maintains them) bound the keys of the block's filled tokens in the host tier.
+- key metadata: in compressed mode, for every block a step used, the engine's per-KV-head, per-dimension key min/max
+  (what compressed mode selects by; every KV update maintains them) bound the keys of the block's filled tokens in the
+  host tier; in exact mode, which never reads them, the engine holds none.
 A control test runs the same checks on a native Engine driven directly, with a stale resident block, a host write the
 pool missed and a key outside its block's bounds, and requires each to be reported.
 - replay: every layer forward of every step (`tools.capture` records query, output, plan, selections and the blocks
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -108,7 +110,8 @@ class Observed:
     phases: dict[str, Phase] = field(default_factory=dict)
     steps_checked: int = 0
     builds: int = 0  # metadata builds (one per step that ran a forward)
-    bounds_checked: int = 0  # (layer, block) key min/max bound checks
+    bounds_checked: int = 0  # (layer, block) key min/max bound checks (compressed mode)
+    no_metadata_checked: int = 0  # (layer, step) checks that an exact engine holds no key min/max
     compressed_rows: int = 0  # the engine's telemetry: decode rows that attended a selection (all layers)
     replayed: int = 0  # layer forwards replayed on a fresh native engine
     replayed_selections: int = 0  # compressed rows among them (selection compared)
@@ -181,9 +184,15 @@ def check_pool(h: Harness, obs: Observed, where: str, step_blocks: set[int] | No
 
 def check_key_bounds(h: Harness, obs: Observed, where: str, filled: dict[int, int]) -> None:
     """Every block the step used: the engine's per-KV-head, per-dimension key min/max bound the keys its filled tokens
-    hold in the host tier (the metadata compressed mode selects by; maintained by every KV update, exact mode too)."""
+    hold in the host tier (the metadata compressed mode selects by, maintained by every KV update); an exact engine,
+    which never reads them, holds none."""
     for layer, host in h.hosts.items():
         kmin, kmax = h.engine.key_min(layer), h.engine.key_max(layer)
+        if h.engine.mode == "exact":
+            if kmin is not None or kmax is not None:
+                obs.problems.append(f"{where} layer {layer}: an exact engine holds key min/max")
+            obs.no_metadata_checked += 1
+            continue
         for block, n in filled.items():
             keys = host[block, :, 0, :n, :]  # [num_kv_heads, n, head_size]
             if not ((kmin[block].unsqueeze(1) <= keys).all() and (keys <= kmax[block].unsqueeze(1)).all()):
@@ -336,7 +345,7 @@ def test_every_pool_slot_is_free_or_coherent_after_every_step(lifecycle: Any, mo
     assert not obs.problems, "\n".join(obs.problems[:20])
     assert obs.builds > 0 and obs.steps_checked == obs.builds  # every step that ran a forward was checked
     assert obs.lru_steps_checked > 0 if mode == "exact" else obs.lru_steps_checked == 0  # exercised where applied
-    assert obs.bounds_checked > 0
+    assert obs.bounds_checked > 0 if mode == "compressed" else obs.no_metadata_checked > 0
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -447,8 +456,21 @@ def test_check_pool_reports_an_incoherent_slot_and_a_stale_resident_block() -> N
     check_pool(h, dirty, "dirty", None, {})
     assert len(dirty.problems) == 1 and f"block {block} in slot" in dirty.problems[0]
     filled = {b: BLOCK_SIZE for b in range(12)}
-    check_key_bounds(h, clean, "clean", filled)
+    check_key_bounds(h, clean, "clean", filled)  # exact: no key metadata held
+    assert clean.problems == [] and clean.no_metadata_checked == 1 and clean.bounds_checked == 0
+    # The key bounds on a compressed engine (in place: no pool to size) over the same keys, and an exact engine that
+    # held key metadata.
+    meta = backend.Engine(1, heads, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, torch.float32, 0, 4, mode="compressed",
+                          placement="in_place")
+    meta_cache = torch.zeros_like(cache)
+    meta.update_kv(0, keys, values, meta_cache, torch.arange(seq))
+    hm = _FakeHarness(meta, meta_cache.view(nb, NUM_KV_HEADS, 2, BLOCK_SIZE, HEAD_SIZE))
+    check_key_bounds(hm, clean, "clean", filled)
     assert clean.problems == [] and clean.bounds_checked == 12
-    h.hosts[0][block, 1, 0, 3, 5] = float(engine.key_max(0)[block, 1, 5]) + 1.0  # a key above its block's maximum
-    check_key_bounds(h, dirty, "dirty", filled)
+    hm.hosts[0][block, 1, 0, 3, 5] = float(meta.key_max(0)[block, 1, 5]) + 1.0  # a key above its block's maximum
+    check_key_bounds(hm, dirty, "dirty", filled)
     assert len(dirty.problems) == 2 and f"key min/max of block {block}" in dirty.problems[1]
+    holding = Observed(lru=True)
+    fake_exact = SimpleNamespace(mode="exact", key_min=meta.key_min, key_max=meta.key_max)
+    check_key_bounds(_FakeHarness(fake_exact, hm.hosts[0]), holding, "holding", filled)
+    assert holding.problems == ["holding layer 0: an exact engine holds key min/max"]

@@ -109,10 +109,10 @@ void register_engine(py::module_& m) {
            "A copy of the layer's active pool [pool_blocks, num_kv_heads, 2, block_size, head_size].")
       .def("key_min", &Engine::key_min, py::arg("layer"), py::call_guard<py::gil_scoped_release>(),
            "A copy of the per-block key minimum [num_blocks, num_kv_heads, head_size] in the KV dtype; None before "
-           "the layer's first KV update.")
+           "the layer's first KV update and in exact mode (which keeps no key metadata).")
       .def("key_max", &Engine::key_max, py::arg("layer"), py::call_guard<py::gil_scoped_release>(),
            "A copy of the per-block key maximum [num_blocks, num_kv_heads, head_size] in the KV dtype; None before "
-           "the layer's first KV update.")
+           "the layer's first KV update and in exact mode (which keeps no key metadata).")
       .def(
           "selection",
           [](Engine& e, int64_t layer) {

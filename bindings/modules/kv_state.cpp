@@ -13,9 +13,9 @@ namespace {
 // out copies, never the state's own tensors.
 struct PyKVState {
   PyKVState(int64_t num_layers, int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t block_size,
-            at::ScalarType dtype, int64_t pool_blocks, at::Device device)
+            at::ScalarType dtype, int64_t pool_blocks, at::Device device, bool key_metadata)
       : state(activekv::Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype, 1), pool_blocks,
-              device),
+              device, key_metadata),
         telemetry(false) {}
   activekv::KVState state;
   activekv::Telemetry telemetry;
@@ -34,9 +34,11 @@ PYBIND11_MODULE(_kv_state, m) {
   m.doc() = "ActiveKV key-value state: host tier (referenced), active pool (owned), page table, key min/max.";
   activekv::py_glue::register_exceptions(m);
   py::class_<PyKVState>(m, "KVState", "Host tier + active pool of every layer, keyed by vLLM physical block id.")
-      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t, at::Device>(),
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, at::ScalarType, int64_t, at::Device, bool>(),
            py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
-           py::arg("block_size"), py::arg("dtype"), py::arg("pool_blocks"), py::arg("device") = at::Device("cpu"))
+           py::arg("block_size"), py::arg("dtype"), py::arg("pool_blocks"), py::arg("device") = at::Device("cpu"),
+           py::arg("key_metadata") = true,
+           "key_metadata: keep per-block key min/max (compressed mode's; an exact engine keeps none).")
       .def(
           "bind_host",
           [](PyKVState& s, int64_t layer, const at::Tensor& kv_cache) {
@@ -71,12 +73,12 @@ PYBIND11_MODULE(_kv_state, m) {
            [](const PyKVState& s, int64_t layer) { return copy_of(s, &activekv::LayerState::key_min, layer); },
            py::arg("layer"), py::call_guard<py::gil_scoped_release>(),
            "A copy of the per-dimension key minimum per block [num_blocks, num_kv_heads, head_size] in the KV dtype; "
-           "None before the layer's first bind.")
+           "None before the layer's first bind, or without key_metadata.")
       .def("key_max",
            [](const PyKVState& s, int64_t layer) { return copy_of(s, &activekv::LayerState::key_max, layer); },
            py::arg("layer"), py::call_guard<py::gil_scoped_release>(),
            "A copy of the per-dimension key maximum per block [num_blocks, num_kv_heads, head_size] in the KV dtype; "
-           "None before the layer's first bind.")
+           "None before the layer's first bind, or without key_metadata.")
       .def(
           "reset_layer",
           [](PyKVState& s, int64_t layer) {

@@ -99,7 +99,7 @@ const EngineConfig& checked_placement(const EngineConfig& c, at::Device device) 
 Engine::Engine(EngineConfig config, at::Device device)
     : config_(checked_placement(config, with_index(device))),
       device_(with_index(device)),
-      kv_(config_.geometry, config_.pool_blocks, device_) {
+      kv_(config_.geometry, config_.pool_blocks, device_, config_.mode == Mode::kCompressed) {
   const auto& g = config_.geometry;
   if (config_.mode == Mode::kCompressed) {
     const int64_t need = worst_case_union_blocks(config_);

@@ -24,7 +24,7 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // offset 0. The same values as the ATen ops of the other devices: copies are exact, and min/max propagate NaN as
 // scatter_reduce's amin/amax do (of -0 and +0 the first written stays; ATen leaves that tie, and a NaN's payload,
 // unspecified). key/value [N, KVH, D] and host [num_blocks, KVH, 2, bs, D] of any strides; pool and key_min/max
-// contiguous.
+// contiguous; key_min/max undefined where the state keeps no key metadata.
 template <typename T>
 void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at::Tensor& key_max,
                const at::Tensor& key, const at::Tensor& value, const std::vector<int64_t>& tok,
@@ -33,15 +33,17 @@ void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at
   const int64_t kvh = host.size(1), bs = host.size(3), d = host.size(4);
   T* h = host.data_ptr<T>();
   T* p = pool.data_ptr<T>();
-  T* mn = key_min.data_ptr<T>();
-  T* mx = key_max.data_ptr<T>();
+  T* mn = key_min.defined() ? key_min.data_ptr<T>() : nullptr;
+  T* mx = key_max.defined() ? key_max.data_ptr<T>() : nullptr;
   const auto hs = host.strides();
   const T* const src_base[2] = {key.data_ptr<T>(), value.data_ptr<T>()};
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks2 = key.stride(2);
   const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs2 = value.stride(2);
-  for (const int64_t b : reset) {
-    std::fill(mn + b * kvh * d, mn + (b + 1) * kvh * d, static_cast<T>(kInf));
-    std::fill(mx + b * kvh * d, mx + (b + 1) * kvh * d, static_cast<T>(-kInf));
+  if (mn != nullptr) {
+    for (const int64_t b : reset) {
+      std::fill(mn + b * kvh * d, mn + (b + 1) * kvh * d, static_cast<T>(kInf));
+      std::fill(mx + b * kvh * d, mx + (b + 1) * kvh * d, static_cast<T>(-kInf));
+    }
   }
   for (size_t i = 0; i < tok.size(); ++i) {
     for (int64_t hh = 0; hh < kvh; ++hh) {
@@ -55,6 +57,7 @@ void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at
           for (int64_t j = 0; j < d; ++j) pd[j] = src[j * ss];
         }
       }
+      if (mn == nullptr) continue;
       const T* k = src_base[0] + tok[i] * ks0 + hh * ks1;
       T* bmn = mn + (blk[i] * kvh + hh) * d;
       T* bmx = mx + (blk[i] * kvh + hh) * d;
@@ -84,8 +87,8 @@ void reset_page_table(LayerState& layer) {
   layer.page_changed.clear();
 }
 
-KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device)
-    : g_(g), pool_blocks_(pool_blocks), device_(device) {
+KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device, bool key_metadata)
+    : g_(g), pool_blocks_(pool_blocks), device_(device), key_metadata_(key_metadata) {
   AKV_CHECK_VALUE(pool_blocks >= 0, "pool_blocks must be >= 0 (0: no pool, for placement in place), got ",
                   pool_blocks);
   layers_.resize(g.num_layers);
@@ -112,6 +115,13 @@ LayerState& KVState::layer(int64_t index) {
 const LayerState& KVState::layer(int64_t index) const {
   AKV_CHECK_INDEX(index >= 0 && index < g_.num_layers, "layer must be in [0, ", g_.num_layers, "), got ", index);
   return layers_[index];
+}
+
+int64_t KVState::key_metadata_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& l : layers_)
+    if (l.key_min.defined()) bytes += static_cast<int64_t>(l.key_min.nbytes() + l.key_max.nbytes());
+  return bytes;
 }
 
 void KVState::reset_layer(int64_t index) {
@@ -185,9 +195,11 @@ void KVState::bind_host(int64_t index, const at::Tensor& host, Telemetry& t) {
   l.host_blocks = nb;
   l.slot_of_block.assign(nb, -1);
   reset_layer(index);
+  if (!key_metadata_) return;
   auto opts = at::TensorOptions().dtype(g_.dtype).device(device_);  // the KV dtype: every min/max is a key's value
   l.key_min = at::full({nb, g_.num_kv_heads, g_.head_size}, kInf, opts);
   l.key_max = at::full({nb, g_.num_kv_heads, g_.head_size}, -kInf, opts);
+  t.set_gauge(Gauge::kKeyMetadataBytes, key_metadata_bytes());
 }
 
 bool CheckedSlots::covers(const at::Tensor& slot_mapping) const {
@@ -380,6 +392,7 @@ void KVState::write(int64_t index, const at::Tensor& host, const at::Tensor& key
   }
 
   // Per-block key metadata [num_blocks, KVH, D]: a write at offset 0 starts a fresh fill of the block.
+  if (!key_metadata_) return;
   if (!reset.empty()) {
     auto reset_t = index_tensor(reset, device_);
     l.key_min.index_fill_(0, reset_t, kInf);

@@ -50,6 +50,7 @@ const char* gauge_name(Gauge g) {
     case Gauge::kPoolCapacityBlocks: return "pool_capacity_blocks";
     case Gauge::kLastStepUnixUs: return "last_step_unix_us";
     case Gauge::kLastForwardUs: return "last_forward_us";
+    case Gauge::kKeyMetadataBytes: return "key_metadata_bytes";
     case Gauge::kCount: break;
   }
   return "unknown";
@@ -162,13 +163,15 @@ TelemetrySnapshot merge_snapshots(const std::vector<TelemetrySnapshot>& all) {
       }
     }
     total.info = std::move(merged);
-    // gauges: mode kept where every engine agrees (else -1), pool gauges summed, the last forward of the latest step.
+    // gauges: mode kept where every engine agrees (else -1), pool and memory gauges summed, the last forward of the
+    // latest step.
     if (s.gauges.size() == total.gauges.size() && s.gauges.size() == static_cast<size_t>(kGauges)) {
       auto& g = total.gauges;
       const auto at = [](Gauge k) { return static_cast<size_t>(k); };
       if (g[at(Gauge::kMode)].second != s.gauges[at(Gauge::kMode)].second) g[at(Gauge::kMode)].second = -1;
       g[at(Gauge::kPoolResidentBlocks)].second += s.gauges[at(Gauge::kPoolResidentBlocks)].second;
       g[at(Gauge::kPoolCapacityBlocks)].second += s.gauges[at(Gauge::kPoolCapacityBlocks)].second;
+      g[at(Gauge::kKeyMetadataBytes)].second += s.gauges[at(Gauge::kKeyMetadataBytes)].second;
       if (s.gauges[at(Gauge::kLastStepUnixUs)].second > g[at(Gauge::kLastStepUnixUs)].second) {
         g[at(Gauge::kLastStepUnixUs)].second = s.gauges[at(Gauge::kLastStepUnixUs)].second;
         g[at(Gauge::kLastForwardUs)].second = s.gauges[at(Gauge::kLastForwardUs)].second;

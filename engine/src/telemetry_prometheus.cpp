@@ -136,6 +136,10 @@ std::vector<MetricFamily> prometheus_families(const std::vector<PublishedTelemet
   out.push_back(gauge_family("activekv_last_forward_seconds",
                              "Wall time of that latest native forward (one layer, one step); 0 before the first.",
                              static_cast<double>(gauge(Gauge::kLastForwardUs)) * 1e-6, "seconds"));
+  out.push_back(gauge_family("activekv_key_metadata_bytes",
+                             "Bytes of per-block key min/max (compressed mode's selection metadata) held, summed over "
+                             "layers and engines; 0 in exact mode, which keeps none.",
+                             static_cast<double>(gauge(Gauge::kKeyMetadataBytes)), "bytes"));
   return out;
 }
 

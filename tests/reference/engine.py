@@ -249,6 +249,8 @@ class RefEngine:
             lay.block_of_slot = [-1] * self.pool_blocks
             lay.last_use = [0] * self.pool_blocks
             lay.pins = [0] * self.pool_blocks
+            if self.mode != "compressed":  # exact mode never reads key metadata: the engine keeps none (kv_state.h)
+                return host
             meta = {"dtype": self.dtype, "device": self.device}  # key metadata in the KV dtype (kv_state.h)
             lay.key_min = torch.full((nb, self.num_kv_heads, self.head_size), float("inf"), **meta)
             lay.key_max = torch.full((nb, self.num_kv_heads, self.head_size), float("-inf"), **meta)
@@ -315,6 +317,8 @@ class RefEngine:
             lay.pool.select(2, 0)[slot_t, :, woff_t] = k.index_select(0, pos)
             lay.pool.select(2, 1)[slot_t, :, woff_t] = v.index_select(0, pos)
             self.counters["write_through_tokens"] += len(wt)
+        if lay.key_min is None:  # exact mode: no key metadata
+            return
         if reset:
             reset_t = torch.tensor(reset, dtype=torch.int64, device=dev)
             lay.key_min.index_fill_(0, reset_t, float("inf"))

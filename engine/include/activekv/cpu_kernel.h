@@ -7,7 +7,10 @@
 /// Per chunk and query row: the scores of all the chunk's keys (16 keys at a time in 16 registers, summed by one
 /// butterfly of vector additions with AVX-512, no horizontal reduction per key), one online-softmax merge (Milakov &
 /// Gimelshein 2018; as in FlashAttention, Dao et al. 2022: running max and sum, the accumulator rescaled once per
-/// chunk), then the probabilities times V.
+/// chunk), then the probabilities times V. A call of 16 query rows or more (a prefill chunk's) scores each chunk as a
+/// small matrix product instead: the chunk's K packed once per chunk (transposed, widened to float32), then each score
+/// one chain of fused multiply-adds over the head in one vector lane, 2 x kW keys by up to 4 rows per pass, no
+/// reduction across lanes; a score does not depend on the other rows or keys of its pass.
 ///
 /// Built once per CPU capability (DEFAULT, AVX2, AVX512) with ATen's `at::vec::Vectorized` and chosen at run time
 /// (`ATEN_CPU_CAPABILITY=default|avx2|avx512` caps the choice, as it does for ATen). Float32 accumulation whatever the
@@ -30,7 +33,8 @@ struct AttendArgs {
   at::ScalarType dtype = at::kFloat;  ///< K/V dtype: float32, bfloat16 or float16
   int64_t block_size = 0;
   int64_t head_size = 0;
-  int64_t rows = 0;           ///< query rows of this KV head: group_size * num_q_tokens (row = g * num_q + i)
+  int64_t rows = 0;           ///< query rows of this KV head: group_size * num_q_tokens (row = g * num_q + i); from
+                              ///< 16 rows on, the matrix-product scorer
   int64_t num_q = 0;          ///< query tokens of the request row
   int64_t first_query_pos = 0;  ///< position of query token 0; token i sits at first_query_pos + i (causal limit)
   double scale = 1.0;         ///< softmax scale, applied to q . k

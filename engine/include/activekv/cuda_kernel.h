@@ -115,7 +115,7 @@ struct CudaKvWriteArgs {
                             ///< pinned host memory mapped into the device (host pointer = device pointer, UVA)
   at::Tensor pool;          ///< [pool_blocks, num_kv_heads, 2, block_size, head_size] contiguous on the device
   at::Tensor page;          ///< int32 [num_blocks] on the device, block -> pool slot or -1; undefined: no pool copies
-  at::Tensor key_min;       ///< [num_blocks, num_kv_heads, head_size] contiguous on the device, the KV dtype
+  at::Tensor key_min;       ///< [num_blocks, num_kv_heads, head_size] contiguous on the device, the KV dtype; undefined in exact mode (no key metadata)
   at::Tensor key_max;       ///< same
   at::Tensor key, value;    ///< [>= n, num_kv_heads, head_size] any strides on the device, the KV dtype
   at::Tensor slot_mapping;  ///< int32 or int64 [n] on the device, any stride: slot of token i, -1 = padding

@@ -109,7 +109,7 @@ class Engine {
   /// The layer's pool [pool_blocks, num_kv_heads, 2, block_size, head_size], a copy.
   at::Tensor pool(int64_t layer) const;
   /// Per-block key minimum / maximum [host_blocks, num_kv_heads, head_size] in the KV dtype, copies; undefined before
-  /// the layer's host tier is bound.
+  /// the layer's host tier is bound, and in exact mode, which keeps no key metadata.
   at::Tensor key_min(int64_t layer) const;
   at::Tensor key_max(int64_t layer) const;
   /// Compressed mode, the layer's last forward: (request row, int64 [num_kv_heads, per_head] block ids), copies.

@@ -19,7 +19,8 @@ struct LayerState {
   at::Tensor pool;      ///< [pool_blocks, num_kv_heads, 2, block_size, head_size], geometry dtype
   /// [host_blocks, num_kv_heads, head_size] in the geometry (KV) dtype, per-dimension key minimum of the block (+inf
   /// before its first key): the min of keys stored in that dtype is one of them, so the metadata is exact and takes
-  /// half the bytes of float32 for bfloat16 / float16 KV
+  /// half the bytes of float32 for bfloat16 / float16 KV. Undefined where the state keeps no key metadata (an exact
+  /// engine never reads it) and before the layer's host tier is bound.
   at::Tensor key_min;
   at::Tensor key_max;   ///< same shape and dtype: per-dimension key maximum of the block (-inf before its first key)
   /// The bound host tier [host_blocks, num_kv_heads, 2, block_size, head_size], a view of vLLM's tensor. Holding it
@@ -85,10 +86,16 @@ class KVState {
  public:
   /// @param pool_blocks active-pool slots per layer (>= 0; 0 for an engine that attends in place, which has no pool).
   /// @param device device of the pool (the host tier's device on CPU).
-  KVState(const Geometry& g, int64_t pool_blocks, at::Device device);
+  /// @param key_metadata keep per-block key min/max (what compressed selection reads): 1/block_size of the KV cache's
+  ///        bytes, allocated when a layer's host tier is bound and maintained by every write. Without it, key_min /
+  ///        key_max stay undefined and writes touch only the host tier and the pool.
+  KVState(const Geometry& g, int64_t pool_blocks, at::Device device, bool key_metadata);
 
   const Geometry& geometry() const { return g_; }
   int64_t pool_blocks() const { return pool_blocks_; }
+  bool key_metadata() const { return key_metadata_; }
+  /// Bytes of key metadata held, summed over layers (0 without key_metadata).
+  int64_t key_metadata_bytes() const;
   LayerState& layer(int64_t index);
   const LayerState& layer(int64_t index) const;
 
@@ -98,7 +105,8 @@ class KVState {
   at::Tensor host_view(const at::Tensor& kv_cache) const;
 
   /// Bind a layer's host tier (a view from host_view). A different tensor than the bound one (vLLM reallocated its KV
-  /// cache) resets the layer's page table and key metadata, counted as kHostRebinds.
+  /// cache) resets the layer's page table and key metadata, counted as kHostRebinds; the key metadata's bytes go to
+  /// the kKeyMetadataBytes gauge.
   /// @throws c10::ValueError (before anything changes) if the memory overlaps another layer's bound host tier.
   void bind_host(int64_t layer, const at::Tensor& host, Telemetry& t);
   /// The checks of bind_host alone, for callers that validate everything before changing anything. Changes nothing.
@@ -106,8 +114,8 @@ class KVState {
   /// since checked itself against it); O(layers) otherwise.
   void check_bindable(int64_t layer, const at::Tensor& host) const;
 
-  /// Write new K/V at their slots: host tier, write-through to resident pool copies, per-block key min/max
-  /// (reset when a block's offset 0 is written, since vLLM fills a fresh block from offset 0).
+  /// Write new K/V at their slots: host tier, write-through to resident pool copies, per-block key min/max where the
+  /// state keeps them (reset when a block's offset 0 is written, since vLLM fills a fresh block from offset 0).
   /// Validates everything first, then binds `host` and writes: on bad input nothing changes.
   /// @param host [num_blocks, num_kv_heads, 2, block_size, head_size] from host_view
   /// @param key, value [num_tokens, num_kv_heads, head_size], geometry dtype, same device
@@ -141,6 +149,7 @@ class KVState {
   Geometry g_;
   int64_t pool_blocks_;
   at::Device device_;
+  bool key_metadata_;
   std::vector<LayerState> layers_;
   at::Tensor write_error_;  ///< int32 [1] in pinned host memory mapped into the device: the CUDA write's error flag
 };

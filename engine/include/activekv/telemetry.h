@@ -68,6 +68,7 @@ enum class Gauge : int {
   kPoolCapacityBlocks,  ///< active-pool slots, summed over layers (pool_blocks x num_layers)
   kLastStepUnixUs,      ///< wall clock (system_clock, microseconds since the Unix epoch) at the end of the last forward
   kLastForwardUs,       ///< duration of the last forward (one layer, one step), microseconds
+  kKeyMetadataBytes,    ///< bytes of per-block key min/max held, summed over layers (compressed mode; 0 in exact)
   kCount
 };
 
@@ -201,7 +202,7 @@ struct MetricFamily {
 /// (activekv_<name>_total, summed), the forward latency histogram in seconds and the blocks admitted per forward
 /// histogram, and gauges: activekv_engines (how many engines published), activekv_layers (layers they serve), and the
 /// engines' Gauge values (activekv_mode, activekv_pool_resident_blocks, activekv_pool_capacity_blocks,
-/// activekv_last_step_timestamp_seconds, activekv_last_forward_seconds).
+/// activekv_last_step_timestamp_seconds, activekv_last_forward_seconds, activekv_key_metadata_bytes).
 std::vector<MetricFamily> prometheus_families(const std::vector<PublishedTelemetry>& published);
 
 /// (counter snapshot key, its Prometheus sample name activekv_..._total), in Counter order.

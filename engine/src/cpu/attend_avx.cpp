@@ -50,6 +50,67 @@ inline void accumulate_block(const T* v, int64_t d, int64_t j, const float* p, i
   }
 }
 
+// Query rows per call from which a chunk's K is packed (kt below) and scored as a matrix product: a prefill chunk's
+// rows, never a decode row's GQA group (whose few rows would not repay the packing).
+constexpr int64_t kPackRows = 16;
+// Keys per pass of the packed scorer: two vectors (2 x RB accumulators, two loads of kt per query value).
+constexpr int64_t kPackKeys = 2 * kW;
+
+// K of a chunk packed for the matrix-product scorer in panels of kPackKeys keys, each panel contiguous (what one pass
+// reads, in order): kt[(t / P) * d * P + j * P + t % P] = K[t, j] widened to float32 (P = kPackKeys; key t of the
+// chunk, blocks c0 .. c0 + cb - 1 of the args in order), zeros for t in [nk, ldk); ldk = nk rounded up to P.
+template <typename T>
+void pack_keys(const AttendArgs& a, int64_t c0, int64_t cb, float* kt, int64_t ldk) {
+  const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs;
+  for (int64_t c = 0; c < cb; ++c) {
+    const T* k = static_cast<const T*>(a.kv[c0 + c]);
+    for (int64_t t = 0; t < bs; ++t) {
+      const int64_t key = c * bs + t;
+      float* panel = kt + (key / kPackKeys) * d * kPackKeys + key % kPackKeys;
+      for (int64_t j = 0; j < d; ++j) panel[j * kPackKeys] = static_cast<float>(k[t * d + j]);
+    }
+  }
+  for (int64_t key = nk; key < ldk; ++key) {
+    float* panel = kt + (key / kPackKeys) * d * kPackKeys + key % kPackKeys;
+    for (int64_t j = 0; j < d; ++j) panel[j * kPackKeys] = 0.f;
+  }
+}
+
+// Scores of the RB query rows r0 .. r0 + RB - 1 against the packed keys [0, n) (n a multiple of kPackKeys, at most
+// ldk) as a small matrix product: s[i * nk + t] = scale * sum_j q[r0 + i, j] * K[t, j], each product one chain of
+// fused multiply-adds over j in order in one vector lane, so a score does not depend on RB or on the other keys of
+// its pass. Keys from nk on (padding) are not stored.
+template <int RB>
+void score_packed(const AttendArgs& a, int64_t r0, const float* kt, int64_t n, float scale, float* s, int64_t nk) {
+  const int64_t d = a.head_size;
+  const float* q = a.q + r0 * d;
+  for (int64_t t = 0; t < n; t += kPackKeys) {
+    const float* panel = kt + t * d;  // (t / kPackKeys) * d * kPackKeys
+    Vec acc[RB][2];
+    for (int i = 0; i < RB; ++i) acc[i][0] = acc[i][1] = Vec(0.f);
+    for (int64_t j = 0; j < d; ++j) {
+      const Vec k0 = Vec::loadu(panel + j * kPackKeys), k1 = Vec::loadu(panel + j * kPackKeys + kW);
+      for (int i = 0; i < RB; ++i) {
+        const Vec qv(q[i * d + j]);
+        acc[i][0] = at::vec::fmadd(qv, k0, acc[i][0]);
+        acc[i][1] = at::vec::fmadd(qv, k1, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < RB; ++i) {
+      float* si = s + i * nk + t;
+      if (t + kPackKeys <= nk) {
+        (acc[i][0] * Vec(scale)).store(si);
+        (acc[i][1] * Vec(scale)).store(si + kW);
+      } else {
+        alignas(64) float tmp[kPackKeys];
+        (acc[i][0] * Vec(scale)).store(tmp);
+        (acc[i][1] * Vec(scale)).store(tmp + kW);
+        std::copy(tmp, tmp + (nk - t), si);
+      }
+    }
+  }
+}
+
 // One chunk (blocks c0 .. c0 + cb - 1 of the args, at most chunk_blocks) for RB query rows r0 .. r0 + RB - 1: the
 // scores of every key of the chunk, then one online-softmax merge per row (running max, rescale of the accumulator,
 // probabilities), then the rows' accumulators walk the chunk's V one vector of the head at a time, the RB rows
@@ -57,7 +118,7 @@ inline void accumulate_block(const T* v, int64_t d, int64_t j, const float* p, i
 // (bfloat16 KV on a processor with AVX512-BF16) or null.
 template <typename T, int RB>
 void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* s, int64_t* valid,
-                const at::BFloat16* q_bf16) {
+                const at::BFloat16* q_bf16, const float* kt) {
   const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs;
   const float scale = static_cast<float>(a.scale);
   int64_t any = 0;
@@ -69,7 +130,17 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   // sizes that are multiples of 16 = kW), else head sizes that are multiples of kW.
   const bool whole_groups = q_bf16 != nullptr || d % kW == 0;
   const int64_t k_bytes = bs * d * static_cast<int64_t>(sizeof(T));
-  for (int64_t c = 0; c < cb; ++c) {
+  if (kt != nullptr) {  // K packed (a prefill chunk's rows): every key up to the last one a row sees, then the limits
+    int64_t seen = 0;
+    for (int i = 0; i < RB; ++i)
+      for (int64_t c = 0; c < cb; ++c)
+        if (valid[i * cb + c] > 0) seen = std::max(seen, c * bs + valid[i * cb + c]);
+    score_packed<RB>(a, r0, kt, (seen + kPackKeys - 1) / kPackKeys * kPackKeys, scale, s, nk);
+    for (int i = 0; i < RB; ++i)
+      for (int64_t c = 0; c < cb; ++c)
+        std::fill(s + i * nk + c * bs + valid[i * cb + c], s + i * nk + (c + 1) * bs, kNegInf);
+  }
+  for (int64_t c = 0; c < cb && kt == nullptr; ++c) {
     const T* k = static_cast<const T*>(a.kv[c0 + c]);
     ask_next_block(a, c0 + c, k_bytes);
     // Groups of kW keys every row sees, scored for the RB rows together (K loaded once for them) where the rows divide
@@ -174,15 +245,23 @@ void attend(const AttendArgs& a) {
   s.resize(kRowBlock * cmax * bs);
   valid.resize(kRowBlock * cmax);
   const at::BFloat16* qb = std::is_same_v<T, at::BFloat16> && uses_bf16_query(d) ? a.q_bf16 : nullptr;
+  // A prefill chunk's rows: the chunk's K packed once per chunk, transposed and widened, for the matrix-product scorer.
+  thread_local std::vector<float> kt;
+  const bool packed = a.rows >= kPackRows;
+  const int64_t ldk = (cmax * bs + kPackKeys - 1) / kPackKeys * kPackKeys;
+  if (packed) kt.resize(d * ldk);
   for (int64_t c0 = 0; c0 < a.num_blocks; c0 += cmax) {
     const int64_t cb = std::min(cmax, a.num_blocks - c0);
+    const int64_t ld = (cb * bs + kPackKeys - 1) / kPackKeys * kPackKeys;
+    if (packed) pack_keys<T>(a, c0, cb, kt.data(), ld);
+    const float* k = packed ? kt.data() : nullptr;
     int64_t r0 = 0;
     for (; r0 + kRowBlock <= a.rows; r0 += kRowBlock)
-      chunk_rows<T, kRowBlock>(a, r0, c0, cb, s.data(), valid.data(), qb);
+      chunk_rows<T, kRowBlock>(a, r0, c0, cb, s.data(), valid.data(), qb, k);
     switch (a.rows - r0) {
-      case 3: chunk_rows<T, 3>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
-      case 2: chunk_rows<T, 2>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
-      case 1: chunk_rows<T, 1>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
+      case 3: chunk_rows<T, 3>(a, r0, c0, cb, s.data(), valid.data(), qb, k); break;
+      case 2: chunk_rows<T, 2>(a, r0, c0, cb, s.data(), valid.data(), qb, k); break;
+      case 1: chunk_rows<T, 1>(a, r0, c0, cb, s.data(), valid.data(), qb, k); break;
       default: break;
     }
   }

@@ -22,6 +22,10 @@ namespace activekv {
 
 namespace {
 
+// Query tokens of a prefill row per task (and per GQA group member and KV head): a 2k-token chunk of a model of 3 KV
+// heads makes 3 x group x 4 tasks instead of 3.
+constexpr int64_t kRunTokens = 512;
+
 // Query rows of the CPU kernel, grouped per KV head as group_query lays them out: of a request row whose grouped rows
 // start at q, KV head hh, group member gi and token t is row hh * G * lq + gi * lq + t of q [rows, D] float32 (and of
 // q_bf16, the bfloat16 query as given, where non-null). Plain loops over the query's strides: no ATen op per row.
@@ -119,11 +123,23 @@ class CpuPath : public ForwardPath {
     }
     // Tasks: (row, first KV head), per_task heads each. A task walks its heads tile by tile (a tile's slots hold every
     // head's K and V side by side: [P, KVH, 2, bs, D]), so the more heads per task, the closer the pool is read to its
-    // address order.
+    // address order. A row of more than kRunTokens query tokens (a prefill chunk) is split further, per KV head, GQA
+    // group member and run of kRunTokens tokens, so that a long prefill of few KV heads keeps every thread busy. A
+    // row's arithmetic does not depend on how its query rows are grouped (cpu_kernel.h), and the runs are fixed by
+    // the row alone, so the output is the same however many threads take the tasks.
     tasks_.clear();
-    for (size_t i = 0; i < round_.size(); ++i)
-      if (!round_[i].slots.empty())
-        for (int64_t h0 = 0; h0 < kvh; h0 += per_task) tasks_.emplace_back(i, h0);
+    for (size_t i = 0; i < round_.size(); ++i) {
+      if (round_[i].slots.empty()) continue;
+      const int64_t lq = s.plan.rows[i].lq;
+      if (lq > kRunTokens) {
+        for (int64_t hh = 0; hh < kvh; ++hh)
+          for (int64_t gi = 0; gi < group; ++gi)
+            for (int64_t t0 = 0; t0 < lq; t0 += kRunTokens)
+              tasks_.push_back({i, hh, 1, gi * lq + t0, std::min(kRunTokens, lq - t0)});
+      } else {
+        for (int64_t h0 = 0; h0 < kvh; h0 += per_task) tasks_.push_back({i, h0, per_task, 0, group * lq});
+      }
+    }
     const auto* pool_bytes = static_cast<const char*>(s.kv.data_ptr());  // the pool, or in place the host tier
     const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(s.kv.element_size());  // K and V of (block, head)
     const auto& rows = s.plan.rows;
@@ -136,13 +152,15 @@ class CpuPath : public ForwardPath {
       a.scale = s.scale;
       a.chunk_blocks = tb;
       for (int64_t t = begin; t < end; ++t) {
-        const size_t i = tasks_[t].first;
+        const Task& task = tasks_[t];
+        const size_t i = task.row;
         const RowRound& rr = round_[i];
-        const int64_t h0 = tasks_[t].second, nrows = group * rows[i].lq, base = first_[i];
+        const int64_t h0 = task.h0, nrows = group * rows[i].lq, base = first_[i] + task.r0;
         const int64_t count = rr.head_stride > 0 ? rr.head_stride : static_cast<int64_t>(rr.slots.size());
-        a.rows = nrows;
-        a.num_q = rows[i].lq;
-        a.first_query_pos = rows[i].seq - rows[i].lq;
+        const bool run = task.rows < nrows;  // a run of one group member's tokens, r0 = gi * lq + t0
+        a.rows = task.rows;
+        a.num_q = run ? task.rows : rows[i].lq;
+        a.first_query_pos = rows[i].seq - rows[i].lq + (run ? task.r0 % rows[i].lq : 0);
         // Exact rows: tile after tile, head after head (every head reads the same slots, whose K and V of all heads
         // lie side by side, so the pool is read close to its address order). Compressed rows: head after head, each
         // head's blocks in one call (the heads' blocks differ, so nothing is shared between them, and the kernel then
@@ -150,7 +168,7 @@ class CpuPath : public ForwardPath {
         const int64_t step = rr.head_stride > 0 ? count : tb;
         for (int64_t j = 0; j < count; j += step) {
           const int64_t n = std::min(step, count - j);
-          for (int64_t hh = h0; hh < h0 + per_task; ++hh) {
+          for (int64_t hh = h0; hh < h0 + task.heads; ++hh) {
             const int64_t* slots = rr.slots.data() + hh * rr.head_stride + j;
             ptrs.resize(n);
             for (int64_t x = 0; x < n; ++x) ptrs[x] = pool_bytes + (slots[x] * kvh + hh) * run_bytes;
@@ -203,7 +221,13 @@ class CpuPath : public ForwardPath {
   std::vector<float> qbuf_, mbuf_, lbuf_, accbuf_;
   std::vector<at::BFloat16> qb16_;
   std::vector<RowRound> round_;
-  std::vector<std::pair<size_t, int64_t>> tasks_;
+  // A task: KV heads [h0, h0 + heads) of a request row, its grouped query rows [r0, r0 + rows) of each head (row
+  // gi * lq + t of a head: group member gi, token t).
+  struct Task {
+    size_t row;
+    int64_t h0, heads, r0, rows;
+  };
+  std::vector<Task> tasks_;
 };
 
 }  // namespace

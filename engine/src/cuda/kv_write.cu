@@ -72,8 +72,8 @@ __global__ void kv_store_kernel(const I* __restrict__ slots, int64_t slot_stride
   T* hk = host + b * hs.s[0] + h * hs.s[1] + o * hs.s[3];
   T* hv = hk + hs.s[2];
   T* pk = p >= 0 ? pool + ((static_cast<int64_t>(p) * kvh + h) * 2 * bs + o) * d : nullptr;
-  T* meta_min = key_min + (b * kvh + h) * d;
-  T* meta_max = key_max + (b * kvh + h) * d;
+  T* meta_min = key_min != nullptr ? key_min + (b * kvh + h) * d : nullptr;
+  T* meta_max = key_max != nullptr ? key_max + (b * kvh + h) * d : nullptr;
   for (int j = threadIdx.x; j < d; j += blockDim.x) {
     const T kj = kp[j * ks.s[2]], vj = vp[j * vs.s[2]];
     hk[j * hs.s[4]] = kj;
@@ -82,7 +82,7 @@ __global__ void kv_store_kernel(const I* __restrict__ slots, int64_t slot_stride
       pk[j] = kj;
       pk[static_cast<int64_t>(bs) * d + j] = vj;
     }
-    if (o == 0) {
+    if (o == 0 && meta_min != nullptr) {
       meta_min[j] = Bits<K>::kPosInf;
       meta_max[j] = Bits<K>::kNegInf;
     }
@@ -163,14 +163,16 @@ void launch(const CudaKvWriteArgs& a, cudaStream_t stream) {
   const int64_t sstride = a.slot_mapping.stride(0);
   const auto* key = static_cast<const T*>(a.key.data_ptr());
   const auto* value = static_cast<const T*>(a.value.data_ptr());
-  auto* kmin = static_cast<T*>(a.key_min.data_ptr());
-  auto* kmax = static_cast<T*>(a.key_max.data_ptr());
+  // Exact mode keeps no key metadata: the store skips its reset and launch 2 is not made.
+  auto* kmin = a.key_min.defined() ? static_cast<T*>(a.key_min.data_ptr()) : nullptr;
+  auto* kmax = a.key_max.defined() ? static_cast<T*>(a.key_max.data_ptr()) : nullptr;
   const int32_t* page = a.page.defined() && a.pool.size(0) > 0 ? a.page.data_ptr<int32_t>() : nullptr;
   kv_store_kernel<K, I><<<grid, threads, 0, stream>>>(
       slots, sstride, key, strides_of<3>(a.key), value, strides_of<3>(a.value), static_cast<T*>(a.host.data_ptr()),
       strides_of<5>(a.host), page != nullptr ? static_cast<T*>(a.pool.data_ptr()) : nullptr, page, kmin, kmax,
       num_slots, bs, kvh, d, a.error);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (kmin == nullptr) return;
   kv_meta_kernel<K, I><<<grid, threads, 0, stream>>>(slots, sstride, key, strides_of<3>(a.key), kmin, kmax, num_slots,
                                                      bs, kvh, d);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -189,8 +191,10 @@ void kv_write_cuda(const CudaKvWriteArgs& a) {
   // The caller (KVState::write) validated shapes, dtypes and devices; these guard the kernel's own assumptions.
   TORCH_INTERNAL_ASSERT(a.host.dim() == 5 && a.key.dim() == 3 && a.value.dim() == 3 && a.slot_mapping.dim() == 1,
                         "kv_write_cuda: unexpected ranks");
-  TORCH_INTERNAL_ASSERT(a.slot_mapping.is_cuda() && a.key.is_cuda() && a.value.is_cuda() && a.key_min.is_cuda() &&
-                            a.key_min.is_contiguous() && a.key_max.is_contiguous() &&
+  TORCH_INTERNAL_ASSERT(a.slot_mapping.is_cuda() && a.key.is_cuda() && a.value.is_cuda() &&
+                            a.key_min.defined() == a.key_max.defined() &&
+                            (!a.key_min.defined() || (a.key_min.is_cuda() && a.key_min.is_contiguous() &&
+                                                      a.key_max.is_contiguous())) &&
                             (!a.page.defined() || a.pool.is_contiguous()),
                         "kv_write_cuda: unexpected devices or layouts");
   const int64_t n = a.slot_mapping.size(0);
