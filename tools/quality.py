@@ -503,7 +503,9 @@ def render(data: dict[str, Any]) -> str:
              + ", ".join(f"{k} {v}" for k, v in data["versions"].items()),
              f"- runtime: **{t['total'] / 60:.1f} min** for the tool ({t['vllm'] / 60:.1f} min for the "
              f"{len(data['runs'])} vLLM engines, {t['synthetic']:.0f} s for the synthetic part). {SHARED_MACHINE}",
-             "- how it is built and scored: `tools/quality.py`, `tools/quality_tasks.py` (module docstrings)", ""]
+             "- how it is built and scored: `tools/quality.py`, `tools/quality_tasks.py` (module docstrings)",
+             "- where compressed mode loses, layer by layer, and the `dense_layers` option measured against it: "
+             "`docs/quality_policy.md`", ""]
     lines += headline(data)
     lines += passkey_section(data)
     lines += retrieval_section(data)
