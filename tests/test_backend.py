@@ -154,6 +154,10 @@ def test_forward_without_metadata_counts_only_on_the_engine_its_cache_identifies
     ({"placement": "in_place", "pool_blocks": 8}, ValueError,
      r"\['placement'\] 'in_place' has no pool: drop additional_config\['activekv'\]\['pool_blocks'\]"),
     ({"pool_blocks": 0}, ValueError, r"pool_blocks'\] must be >= 1, got 0"),
+    ({"mode": "compressed", "dense_layers": -1}, ValueError, r"dense_layers'\] must be in \[0, 2\^40\], got -1"),
+    ({"mode": "compressed", "dense_layers": 3}, ValueError,
+     r"dense_layers'\] must be in \[0, 2\] \(the model's attention layers\), got 3"),
+    ({"mode": "compressed", "dense_layers": 1.5}, TypeError, "dense_layers'\\] must be an int"),
 ])
 def test_builder_rejects_bad_options(options: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):

@@ -2,7 +2,8 @@
 tiers, per-block key metadata, page tables, compressed-mode selections and telemetry counters, cell by cell.
 
 Here: a seeded subset of each matrix (48 cells of each mode) that holds every value of every axis (checked below), and
-16 of the 108 cells of placement in place (no pool: blocks read where they are in the host tier); `make parity`
+16 of the 108 cells of placement in place (no pool: blocks read where they are in the host tier), and 12 of the 54
+compressed cells whose first layer is dense (dense_layers 1); `make parity`
 (tools/parity.py) runs every cell of both modes, in place included, and writes the report."""
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import random
 import pytest
 import torch
 
-from tools.parity_cells import Cell, compressed_cells, exact_cells, in_place_cells, run_cell
+from tools.parity_cells import Cell, compressed_cells, dense_cells, exact_cells, in_place_cells, run_cell
 
 SUBSET_CELLS = 48
 EXACT_SUBSET = random.Random(0).sample(exact_cells(), SUBSET_CELLS)
 COMPRESSED_SUBSET = random.Random(0).sample(compressed_cells(), SUBSET_CELLS)
 IN_PLACE_SUBSET = random.Random(0).sample(in_place_cells(), 16)
+DENSE_SUBSET = random.Random(0).sample(dense_cells(), 12)
 AXES = ("dtype", "head_size", "gqa", "block_size", "context", "streaming", "batch", "padded")
 
 
@@ -96,3 +98,38 @@ def test_in_place_cells_cover_both_modes_and_every_main_value() -> None:
         assert len({(c.dtype, c.head_size, c.gqa, c.block_size) for c in of_mode}) == 54
         assert _values(of_mode, "batch") == {1, 3} and _values(of_mode, "padded") == {False, True}
     assert any(c.selects for c in cells)
+
+
+@pytest.mark.parametrize("cell", DENSE_SUBSET, ids=[c.id for c in DENSE_SUBSET])
+def test_dense_layers_engine_matches_reference_bit_for_bit(cell: Cell) -> None:
+    """dense_layers 1: layer 0 attends every block (no selection recorded), layer 1 selects as compressed mode."""
+    snap = run_cell(cell)
+    assert (snap["compressed_rows"] > 0) == cell.selects
+
+
+def test_dense_cells_cover_every_main_value_and_pool() -> None:
+    cells = dense_cells()
+    assert {(c.mode, c.dense_layers) for c in cells} == {("compressed", 1)}
+    assert len({(c.dtype, c.head_size, c.gqa, c.block_size) for c in cells}) == 54
+    assert {(c.context, c.pool) for c in cells} == {(x, p) for x in ("short", "multiple", "unaligned")
+                                                    for p in ("stream", "fit", "inplace")}
+    assert _values(cells, "batch") == {1, 3} and any(c.selects for c in cells)
+    assert {c.mode for c in DENSE_SUBSET} == {"compressed"} and any(c.selects for c in DENSE_SUBSET)
+
+
+def test_dense_layer_attends_every_block_and_the_others_select() -> None:
+    """A selecting cell with dense_layers 1 records selections on layer 1 only, and its layer 0 equals, bit for bit,
+    layer 0 of the same cell with every layer dense (dense_layers 2: no selection anywhere, the same steps and pool)."""
+    from dataclasses import replace
+
+    from tools.parity_cells import run_engine
+
+    cell = next(c for c in dense_cells() if c.selects and c.placement == "pool")
+    sel_one: list = []
+    outs_one, _ = run_engine(cell, "aten", selections=sel_one)
+    assert all(not s for s in sel_one[0::2]) and any(s for s in sel_one[1::2])
+    sel_all: list = []
+    outs_all, _ = run_engine(replace(cell, dense_layers=2), "aten", selections=sel_all)
+    assert not any(sel_all)
+    assert all(torch.equal(a, b) for a, b in zip(outs_one[0::2], outs_all[0::2]))
+    assert not all(torch.equal(a, b) for a, b in zip(outs_one[1::2], outs_all[1::2]))

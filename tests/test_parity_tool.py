@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tools.parity_cells import Cell, Mismatch, compressed_cells, exact_cells, in_place_cells, run_cell
+from tools.parity_cells import Cell, Mismatch, compressed_cells, dense_cells, exact_cells, in_place_cells, run_cell
 from tests.reference.engine import RefEngine
 from tools import parity
 
@@ -42,9 +42,10 @@ def test_filter_selects_the_expected_cells() -> None:
 def test_full_matrix_sizes() -> None:
     """The issue's floor: at least 96 cells per mode, a head size that is not a power of two in compressed mode."""
     exact, compressed = parity.select_cells("exact", None), parity.select_cells("compressed", None)
-    assert (len(exact_cells()), len(compressed_cells()), len(in_place_cells())) == (432, 324, 108)
-    assert (len(exact), len(compressed)) == (486, 378)  # each mode's pooled cells and its 54 in place
-    assert len(parity.select_cells("all", None)) == 864
+    sizes = (len(exact_cells()), len(compressed_cells()), len(in_place_cells()), len(dense_cells()))
+    assert sizes == (432, 324, 108, 54)
+    assert (len(exact), len(compressed)) == (486, 432)  # each mode's pooled cells, its 54 in place; 54 dense layers
+    assert len(parity.select_cells("all", None)) == 918
     assert {c.mode for c in in_place_cells()} == {"exact", "compressed"}
     assert {c.head_size for c in compressed} == {64, 80, 128}
 

@@ -5,6 +5,7 @@ against the committed JSON, and the synthetic spread measurement through the nat
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import subprocess
@@ -192,6 +193,22 @@ def test_plan_budgets_fit_the_engine_and_cover_the_issue() -> None:
     assert all(r.tasks == (PASSKEY,) for r in plan if r.block_size == 128)
     c = Case(PASSKEY, 1024, 0.5, (1,), ("1",))
     assert plan[4].fits(c) and not plan[3].fits(c) and not plan[1].fits(c)  # 1024 fits 1024, not 512; exact: never
+
+
+def test_restricted_plan_keeps_exact_and_the_asked_engines_and_tasks() -> None:
+    plan = quality.runs({16: (256,), 128: (512,)}, (MULTIKEY, PASSKEY), stock=False, dense_layers=2)
+    assert [(r.name, r.tasks) for r in plan] == [(quality.EXACT_RUN, (PASSKEY, MULTIKEY)),
+                                                 ("b16/256", (PASSKEY, MULTIKEY)), ("b128/512", (PASSKEY,))]
+    assert plan[0].options() == {"mode": "exact"}
+    assert plan[1].options()["dense_layers"] == 2 and plan[2].options()["budget_tokens"] == 512
+    assert [r.name for r in quality.runs({128: (512,)}, (MULTIKEY,), stock=False)] == [quality.EXACT_RUN]
+    assert quality._tasks_arg("listing, multikey") == (MULTIKEY, LISTING)
+    assert quality._budgets_arg("16:256,512 128:512") == {16: (256, 512), 128: (512,)}
+    assert quality._contexts_arg("1024,2048") == (1024, 2048)
+    for bad, parse in (("fruit", quality._tasks_arg), ("16:300", quality._budgets_arg), ("16-256", quality._budgets_arg),
+                       ("1k", quality._contexts_arg)):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
 
 
 def test_continuation_agreement_reads_exact_modes_logprobs() -> None:

@@ -10,7 +10,7 @@ tables, all bit for bit. A cell that differs does not stop the run: its verdict 
 item (`error` when the engine or the reference raised something else). Writes `report.md` (a table: every cell, its
 parameters, verdict and counters) and `report.json` (every cell: id, parameters, verdict, message, counters) under
 `--out` (default `build/parity`), and prints one summary line, e.g.
-`parity: 864 cells, 864 match (486 exact, 378 compressed)`.
+`parity: 918 cells, 918 match (486 exact, 432 compressed)`.
 
 Every cell runs with one intra-op thread (`torch.set_num_threads(1)`), in this process or in each `--jobs` worker: with
 several threads the BLAS under torch's matmul may split a product differently from one call to the next, so the
@@ -46,7 +46,8 @@ MODES = ("exact", "compressed", "all")
 VERDICTS = ("match", "differs", "error")
 
 try:  # tools.parity_cells imports the native module; without it there is nothing to compare
-    from tools.parity_cells import Cell, Mismatch, compressed_cells, exact_cells, in_place_cells, run_cell
+    from tools.parity_cells import (Cell, Mismatch, compressed_cells, dense_cells, exact_cells, in_place_cells,
+                                    run_cell)
     from tests.reference.engine import COUNTERS
 except ImportError as exc:
     _IMPORT_ERROR: ImportError | None = exc
@@ -98,6 +99,7 @@ def cell_params(cell: Cell) -> dict[str, Any]:
     }
     if cell.mode == "compressed":
         params["budget_tokens"] = cell.budget_tokens
+        params["dense_layers"] = cell.dense_layers
     return params
 
 
@@ -127,6 +129,7 @@ def select_cells(mode: str, substring: str | None) -> list[Cell]:
     cells = (exact_cells() if mode in ("exact", "all") else []) + (
         compressed_cells() if mode in ("compressed", "all") else [])
     cells += [c for c in in_place_cells() if mode in (c.mode, "all")]
+    cells += dense_cells() if mode in ("compressed", "all") else []
     return [c for c in cells if substring is None or substring in c.id]
 
 

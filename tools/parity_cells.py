@@ -52,14 +52,16 @@ class Cell:
     padded: bool
     mode: str = "exact"
     placement: str = "pool"  # "pool" | "in_place" (blocks read where they are in the host tier: no pool)
+    dense_layers: int = 0  # compressed: the first layers attend every block (engine.h EngineConfig::dense_layers)
 
     @property
     def id(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
+        mode = f"{self.mode}-dense{self.dense_layers}" if self.dense_layers else self.mode
         if self.placement == "in_place":  # no pool: "inplace" where other cells name their placement's pool size
-            return (f"{self.mode}-inplace-{dt}-d{self.head_size}-gqa{self.gqa}-bs{self.block_size}-{self.context}-"
+            return (f"{mode}-inplace-{dt}-d{self.head_size}-gqa{self.gqa}-bs{self.block_size}-{self.context}-"
                     f"b{self.batch}-{'pad' if self.padded else 'nopad'}")
-        return (f"{self.mode}-{dt}-d{self.head_size}-gqa{self.gqa}-bs{self.block_size}-{self.context}-"
+        return (f"{mode}-{dt}-d{self.head_size}-gqa{self.gqa}-bs{self.block_size}-{self.context}-"
                 f"{self.pool}-b{self.batch}-{'pad' if self.padded else 'nopad'}")
 
     @property
@@ -101,7 +103,8 @@ class Cell:
     def engine_kwargs(self) -> dict:
         # The parity matrix is defined on the ATen tile path (docs/parity.md); the fast kernel is checked against it.
         return {"mode": self.mode, "budget_tokens": self.budget_tokens, "sink_blocks": SINK_BLOCKS,
-                "recent_blocks": RECENT_BLOCKS, "kernel": "aten", "placement": self.placement}
+                "recent_blocks": RECENT_BLOCKS, "kernel": "aten", "placement": self.placement,
+                "dense_layers": self.dense_layers}
 
     def prompt_lens(self) -> list[int]:
         bs = self.block_size
@@ -154,6 +157,19 @@ def in_place_cells() -> list[Cell]:
                           padded=(i // 4) % 2 == 1, placement="in_place"))
         cells.append(Cell(dt, hs, gqa, bs, ("short", "multiple", "unaligned")[i % 3], False, 3 if i % 2 else 1,
                           padded=i % 2 == 1, mode="compressed", placement="in_place"))
+    return cells
+
+
+def dense_cells() -> list[Cell]:
+    """Compressed mode with its first layer dense (dense_layers 1 of the 2 layers: layer 0 attends every block,
+    layer 1 selects), 54 main combinations: the three contexts cycled, the pool cycled through stream, fit and in
+    place, batch 1/3 alternated (batch 3 padded)."""
+    cells = []
+    for i, (dt, hs, gqa, bs) in enumerate(itertools.product(*MAIN_AXES)):
+        pool = i // 3 % 3
+        cells.append(Cell(dt, hs, gqa, bs, ("short", "multiple", "unaligned")[i % 3], pool == 0, 3 if i % 2 else 1,
+                          padded=i % 2 == 1, mode="compressed", placement="in_place" if pool == 2 else "pool",
+                          dense_layers=1))
     return cells
 
 

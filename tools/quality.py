@@ -3,6 +3,9 @@
     python -m tools.quality            # what `make quality` runs: measure, write docs/data/quality.json, render
     python -m tools.quality --quick    # 1k contexts, one budget, three engines: a few minutes, for development
     python -m tools.quality --render   # render docs/quality.md and docs/img/quality_*.png from the JSON only
+    python -m tools.quality --tasks multikey,listing --budgets '16:256,512' --contexts 1024,2048
+                                       # a restricted run: exact and those engines only, figures printed,
+                                       # JSON to build/quality/partial.json (never the page)
 
 SmolLM2-135M-Instruct (tools/real_model.py, float32) in vLLM 0.32.0 in this process, vLLM's default compiled mode, one
 engine per configuration, one after the other: stock vLLM (CPU_ATTN, its default block 128), ActiveKV exact mode
@@ -57,10 +60,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "data" / "quality.json"
 PAGE = ROOT / "docs" / "quality.md"
 IMG = ROOT / "docs" / "img"
+PARTIAL = ROOT / "build" / "quality" / "partial.json"  # where a restricted run writes (never the page)
 
 NEW_TOKENS = 24
 LOGPROBS = 5
 SINK_BLOCKS, RECENT_BLOCKS = 1, 2
+DENSE_LAYERS = 0  # compressed engines' dense_layers (the engine's default); --dense-layers N measures N
 BUDGETS = {16: (256, 512, 1024, 2048), 128: (512, 1024, 2048)}
 # (offset of the pass key in document tokens, the contexts cut from that document): a needle serves several lengths
 # at several depths (offset 1,800: about 90% of 2k, 45% of 4k, 25% of 7k). Sized for `make quality`'s 30 minutes:
@@ -96,6 +101,7 @@ class Run:
     block_size: int
     budget: int | None
     tasks: tuple[str, ...]
+    dense_layers: int = DENSE_LAYERS  # compressed: the first layers attend every block
 
     def options(self) -> dict[str, Any] | None:
         if self.backend == "CPU_ATTN":
@@ -103,7 +109,7 @@ class Run:
         if self.budget is None:
             return {"mode": "exact"}
         return {"mode": "compressed", "budget_tokens": self.budget, "sink_blocks": SINK_BLOCKS,
-                "recent_blocks": RECENT_BLOCKS}
+                "recent_blocks": RECENT_BLOCKS, "dense_layers": self.dense_layers}
 
     def fits(self, case: Case) -> bool:
         """Whether the case's whole context fits this compressed engine's budget (then it runs exact)."""
@@ -113,13 +119,18 @@ class Run:
 ALL_TASKS = (PASSKEY, MULTIKEY, SPLITKEY, LISTING, CONTINUATION)
 
 
-def runs(budgets: dict[int, tuple[int, ...]]) -> list[Run]:
-    """CPU_ATTN (passkey), exact (everything), then compressed per block size and budget: block 16 everything,
-    other block sizes the passkey."""
-    out = [Run(CPU_ATTN_RUN, "CPU_ATTN", 128, None, (PASSKEY,)), Run(EXACT_RUN, "ACTIVEKV", 16, None, ALL_TASKS)]
+def runs(budgets: dict[int, tuple[int, ...]], tasks: Sequence[str] = ALL_TASKS, stock: bool = True,
+         dense_layers: int = DENSE_LAYERS) -> list[Run]:
+    """CPU_ATTN (passkey; unless `stock` is False), exact (everything), then compressed per block size and budget:
+    block 16 everything, other block sizes the passkey; each restricted to `tasks`, a run left with none dropped."""
+    out = [Run(CPU_ATTN_RUN, "CPU_ATTN", 128, None, (PASSKEY,))] if stock else []
+    out.append(Run(EXACT_RUN, "ACTIVEKV", 16, None, ALL_TASKS))
     for block, bs in sorted(budgets.items()):
-        out += [Run(f"b{block}/{b}", "ACTIVEKV", block, b, ALL_TASKS if block == 16 else (PASSKEY,)) for b in bs]
-    return out
+        out += [Run(f"b{block}/{b}", "ACTIVEKV", block, b, ALL_TASKS if block == 16 else (PASSKEY,), dense_layers)
+                for b in bs]
+    out = [Run(r.name, r.backend, r.block_size, r.budget, tuple(t for t in r.tasks if t in tasks), r.dense_layers)
+           for r in out]
+    return [r for r in out if r.tasks]
 
 
 def build_cases(b: Builder, streams: Sequence[tuple[int, Sequence[int]]], fact_contexts: Sequence[int],
@@ -198,8 +209,13 @@ def continuation_agreement(exact: tuple[list[int], list[dict[int, float]]], got:
             "gap": None if other is None else own - other, "gap_at_least": own - ranked[-1]}
 
 
-def measure(model: Path, quick: bool) -> dict[str, Any]:
-    """Every engine of `runs`, then the agreement figures; the synthetic parts; a JSON-ready dict."""
+def measure(model: Path, quick: bool, tasks: Sequence[str] = ALL_TASKS,
+            budgets: dict[int, tuple[int, ...]] | None = None, contexts: Sequence[int] | None = None,
+            dense_layers: int = DENSE_LAYERS) -> dict[str, Any]:
+    """Every engine of `runs`, then the agreement figures; the synthetic parts; a JSON-ready dict. A restricted
+    measurement (`tasks`, `budgets` or `contexts` given: the same prompts, only those tasks, budgets and context
+    lengths) runs exact mode and those compressed engines only: no CPU_ATTN, no synthetic part."""
+    restricted = tuple(tasks) != ALL_TASKS or budgets is not None or contexts is not None
     from transformers import AutoTokenizer
 
     from tools.real_text import agreement
@@ -211,7 +227,10 @@ def measure(model: Path, quick: bool) -> dict[str, Any]:
     q = QUICK if quick else {"streams": PASSKEY_STREAMS, "facts": FACT_CONTEXTS,
                              "continuations": CONTINUATION_CONTEXTS, "budgets": BUDGETS}
     cases = build_cases(b, q["streams"], q["facts"], q["continuations"])
-    plan = runs(q["budgets"])
+    cases = [c for c in cases if c.task in tasks and (contexts is None or c.context in contexts)]
+    if not cases:
+        raise ValueError(f"no prompt of tasks {list(tasks)} at contexts {contexts}")
+    plan = runs(q["budgets"] if budgets is None else budgets, tasks, stock=not restricted, dense_layers=dense_layers)
     records: dict[str, Any] = {}
     raws: dict[str, Any] = {}
     for run in plan:
@@ -221,7 +240,7 @@ def measure(model: Path, quick: bool) -> dict[str, Any]:
     for run in plan:
         for name in records[run.name]["not_run"]:
             records[run.name]["results"][name] = {**exact[name], "within_budget": True}
-    stock = raws[CPU_ATTN_RUN]
+    stock = raws.get(CPU_ATTN_RUN, {})
     vs_stock = {}
     for name, (ids, top) in stock.items():
         a = agreement(ids, top, *raws[EXACT_RUN][name])
@@ -237,7 +256,7 @@ def measure(model: Path, quick: bool) -> dict[str, Any]:
                            for c in cases if c.task == CONTINUATION}
     t_vllm = time.monotonic() - t_start
     t0 = time.monotonic()
-    syn = {"needle": synthetic.needle_strength(), "spread": synthetic.measure_spread()}
+    syn = None if restricted else {"needle": synthetic.needle_strength(), "spread": synthetic.measure_spread()}
     t_syn = time.monotonic() - t0
     return {
         "cases": [{"name": c.name, "task": c.task, "context": c.context, "depth": c.depth,
@@ -246,10 +265,11 @@ def measure(model: Path, quick: bool) -> dict[str, Any]:
         "timings_s": {"vllm": round(t_vllm, 1), "synthetic": round(t_syn, 1),
                       "total": round(time.monotonic() - t_start, 1)},
         "quick": quick,
+        "restricted": restricted,
     }
 
 
-def provenance(argv: Sequence[str]) -> dict[str, Any]:
+def provenance(argv: Sequence[str], dense_layers: int = DENSE_LAYERS) -> dict[str, Any]:
     import torch
     import transformers
     import vllm
@@ -265,7 +285,7 @@ def provenance(argv: Sequence[str]) -> dict[str, Any]:
                      "transformers": transformers.__version__, "python": platform.python_version()},
         "model": {"name": "SmolLM2-135M-Instruct", "package": PACKAGE, **SPEC},
         "setup": {"new_tokens": NEW_TOKENS, "logprobs": LOGPROBS, "sink_blocks": SINK_BLOCKS,
-                  "recent_blocks": RECENT_BLOCKS, **{k: v for k, v in COMMON.items()}},
+                  "recent_blocks": RECENT_BLOCKS, "dense_layers": dense_layers, **{k: v for k, v in COMMON.items()}},
     }
 
 
@@ -471,7 +491,11 @@ def render(data: dict[str, Any]) -> str:
              f"row whose context exceeds the budget attends, per KV head, {s['sink_blocks']} sink block, "
              f"{s['recent_blocks']} recent blocks and the top "
              f"`budget / block_size - {s['sink_blocks'] + s['recent_blocks']}` other blocks by Quest's bound "
-             "(`engine/include/activekv/admission.h`); prefill runs exactly. "
+             "(`engine/include/activekv/selection.h`), "
+             + (f"in every layer but the first {s['dense_layers']}, which attend every block (option "
+                f"`dense_layers` {s['dense_layers']})" if s.get("dense_layers") else
+                "in every layer (option `dense_layers` 0)")
+             + "; prefill runs exactly. "
              "Compressed mode is judged against exact mode's answers to the same prompts.", "",
              f"- command: `{data['command']}` (`make quality`); {'**quick run**; ' if data['quick'] else ''}"
              f"data `docs/data/quality.json`, commit {data['commit']}, {data['date']}",
@@ -479,7 +503,9 @@ def render(data: dict[str, Any]) -> str:
              + ", ".join(f"{k} {v}" for k, v in data["versions"].items()),
              f"- runtime: **{t['total'] / 60:.1f} min** for the tool ({t['vllm'] / 60:.1f} min for the "
              f"{len(data['runs'])} vLLM engines, {t['synthetic']:.0f} s for the synthetic part). {SHARED_MACHINE}",
-             "- how it is built and scored: `tools/quality.py`, `tools/quality_tasks.py` (module docstrings)", ""]
+             "- how it is built and scored: `tools/quality.py`, `tools/quality_tasks.py` (module docstrings)",
+             "- where compressed mode loses, layer by layer, and the `dense_layers` option measured against it: "
+             "`docs/quality_policy.md`", ""]
     lines += headline(data)
     lines += passkey_section(data)
     lines += retrieval_section(data)
@@ -746,6 +772,51 @@ def write_page(data: dict[str, Any], page: Path, img: Path) -> None:
         draw(img / name)
 
 
+def _tasks_arg(text: str) -> tuple[str, ...]:
+    tasks = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in tasks if t not in ALL_TASKS]
+    if not tasks or bad:
+        raise argparse.ArgumentTypeError(f"tasks must be among {', '.join(ALL_TASKS)}, got {text!r}")
+    return tuple(t for t in ALL_TASKS if t in tasks)
+
+
+def _budgets_arg(text: str) -> dict[int, tuple[int, ...]]:
+    out: dict[int, tuple[int, ...]] = {}
+    try:
+        for part in text.split():
+            block, budgets = part.split(":")
+            out[int(block)] = tuple(int(b) for b in budgets.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budgets must read like '16:256,512 128:512', got {text!r}") from None
+    if not out or any(b not in BUDGETS or not set(bs) <= set(BUDGETS[b]) for b, bs in out.items()):
+        raise argparse.ArgumentTypeError(f"budgets must be among {BUDGETS}, got {text!r}")
+    return out
+
+
+def _contexts_arg(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"contexts must be comma-separated token counts, got {text!r}") from None
+
+
+def summary_lines(data: dict[str, Any]) -> list[str]:
+    """A restricted run's figures: per task and context, exact mode's accuracy and each compressed engine's."""
+    lines = []
+    for task in (PASSKEY, MULTIKEY, SPLITKEY, LISTING):
+        names = [r for r in run_names(data, task) if data["runs"][r]["budget"] is not None]
+        if not names or not any(c["task"] == task for c in data["cases"]):
+            continue
+        for ctx in [*contexts_of(data, task), None]:
+            cells = [f"exact {_cell(data, EXACT_RUN, task, ctx)}"] + [
+                f"{run_label(data, r)} {_cell(data, r, task, ctx)}" for r in names]
+            lines.append(f"{task} {'all' if ctx is None else _k(ctx)}: " + ", ".join(cells))
+    for run, per in data["continuation_agreement"].items():
+        lines.append(f"continuation {run_label(data, run)}: prefix agreement "
+                     f"{_pct(statistics.fmean(v['agreement'] for v in per.values()))}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tools.quality", description=__doc__.splitlines()[0])
@@ -756,7 +827,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--img", type=Path, default=IMG)
     parser.add_argument("--model", type=Path, default=None, help="default: make_real_model()'s output")
     parser.add_argument("--vllm-log-level", default="ERROR", help="VLLM_LOGGING_LEVEL, unless already set")
+    parser.add_argument("--tasks", type=_tasks_arg, default=None,
+                        help=f"restrict to these tasks, comma-separated ({', '.join(ALL_TASKS)})")
+    parser.add_argument("--budgets", type=_budgets_arg, default=None,
+                        help="restrict the compressed engines, e.g. '16:256,512 128:512' (block:budgets)")
+    parser.add_argument("--contexts", type=_contexts_arg, default=None, help="restrict to these context lengths")
+    parser.add_argument("--dense-layers", type=int, default=DENSE_LAYERS,
+                        help=f"compressed engines' dense_layers option (default {DENSE_LAYERS})")
     args = parser.parse_args(argv)
+    restricted = args.tasks is not None or args.budgets is not None or args.contexts is not None
+    if restricted and args.json == DATA:
+        args.json = PARTIAL  # docs/data/quality.json holds full runs only
     if args.render:
         write_page(json.loads(args.json.read_text()), args.out, args.img)
         print(f"wrote {args.out} and {args.img}/quality_*.png from {args.json}")
@@ -770,9 +851,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quality: {why}", file=sys.stderr)
         return 2
     model = args.model or make_real_model()
-    data = {**provenance(argv), **measure(model, args.quick)}
+    data = {**provenance(argv, args.dense_layers),
+            **measure(model, args.quick, args.tasks or ALL_TASKS, args.budgets, args.contexts, args.dense_layers)}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=1) + "\n")
+    if data["restricted"]:
+        print("\n".join(summary_lines(data)))
+        print(f"wrote {args.json} in {data['timings_s']['total'] / 60:.1f} min (a restricted run: no page)")
+        return 0
     write_page(data, args.out, args.img)
     print(f"wrote {args.json}, {args.out} and {args.img}/quality_*.png in {data['timings_s']['total'] / 60:.1f} min")
     return 0

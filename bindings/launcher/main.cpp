@@ -166,6 +166,7 @@ const char* const kOptionsHelp =
     "  budget_tokens    compressed: tokens a decode row attends per KV head (default 2048)\n"
     "  sink_blocks      compressed: first blocks always attended (default 1)\n"
     "  recent_blocks    compressed: last blocks always attended (default 2)\n"
+    "  dense_layers     compressed: the first layers attend every block, as exact mode (default 0)\n"
     "  telemetry_json   a file path: the telemetry snapshot is written there as JSON at shutdown\n";
 
 const char* const kEnvironmentHelp =

@@ -29,7 +29,7 @@ void register_engine(py::module_& m) {
                        int64_t block_size, at::ScalarType dtype, int64_t pool_blocks, int64_t tile_blocks,
                        at::Device device, const std::string& mode, int64_t budget_tokens, int64_t sink_blocks,
                        int64_t recent_blocks, const std::string& kernel, const std::string& transfer,
-                       const std::string& placement) {
+                       const std::string& placement, int64_t dense_layers) {
              EngineConfig cfg;
              cfg.geometry = Geometry(num_layers, num_heads, num_kv_heads, head_size, block_size, dtype,
                                                tile_blocks);
@@ -41,6 +41,7 @@ void register_engine(py::module_& m) {
              cfg.kernel = parse_kernel(kernel);
              cfg.transfer = parse_transfer(transfer);
              cfg.placement = parse_placement(placement);
+             cfg.dense_layers = dense_layers;
              return std::make_shared<Engine>(cfg, device);
            }),
            py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
@@ -48,7 +49,9 @@ void register_engine(py::module_& m) {
            py::arg("device") = at::Device("cpu"), py::arg("mode") = "exact", py::arg("budget_tokens") = 2048,
            py::arg("sink_blocks") = 1, py::arg("recent_blocks") = 2, py::arg("kernel") = "native",
            py::arg("transfer") = "mapped", py::arg("placement") = "pool",
-           "mode 'exact' or 'compressed' (budget_tokens, sink_blocks, recent_blocks apply to compressed mode); kernel "
+           py::arg("dense_layers") = 0,
+           "mode 'exact' or 'compressed' (budget_tokens, sink_blocks, recent_blocks, dense_layers apply to compressed "
+           "mode; the first dense_layers layers attend every block); kernel "
            "'native' (fast CPU kernel) or 'aten' (the bit-exact ATen tile path the reference mirrors). device: the "
            "pool's device; on CUDA each layer's kv_cache is device memory (resident) or pinned CPU memory (tiered), "
            "and transfer picks how a tiered engine admits blocks: 'mapped' (a device gather reading pinned host "

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <memory>
 
 #include "forward_path.h"
 
@@ -110,6 +111,8 @@ Engine::Engine(EngineConfig config, at::Device device)
     selection_.sink_blocks = config_.sink_blocks;
     selection_.recent_blocks = config_.recent_blocks;
     selection_.top_k = config_.budget_tokens / g.block_size - config_.sink_blocks - config_.recent_blocks;
+    AKV_CHECK_VALUE(config_.dense_layers >= 0 && config_.dense_layers <= g.num_layers,
+                    "dense_layers must be in [0, num_layers = ", g.num_layers, "], got ", config_.dense_layers);
   }
   telemetry_.set_info("num_layers", g.num_layers);
   telemetry_.set_info("pool_blocks", config_.pool_blocks);
@@ -211,17 +214,31 @@ StepPlan Engine::build(const at::Tensor& query_start_loc, const at::Tensor& seq_
   TORCH_CHECK(!kv_.take_write_error(), "a CUDA KV update since the previous step found a slot_mapping entry outside "
               "the KV cache and wrote nothing for that token: its slot mapping changed after Engine::build checked "
               "it (the step's metadata and its KV updates must use the same slot mapping)");
-  if (path_->batches_units() && !p.selecting) {  // the rounds, unless a layer's selection sizes a unit
-    std::vector<UnitBlocks> units(p.num_units());
-    for (int64_t u = 0; u < p.num_units(); ++u) units[u] = exact_unit(p, geometry(), u);
-    p.rounds_pool = round_capacity();
-    p.rounds_threads = at::get_num_threads();
-    p.rounds = plan_rounds(p, units, p.rounds_pool, geometry().num_kv_heads, p.rounds_threads);
-  }
+  // The rounds, unless a layer's selection sizes a unit.
+  const auto exact_rounds = [&](StepPlan& s) {
+    std::vector<UnitBlocks> units(s.num_units());
+    for (int64_t u = 0; u < s.num_units(); ++u) units[u] = exact_unit(s, geometry(), u);
+    s.rounds_pool = round_capacity();
+    s.rounds_threads = at::get_num_threads();
+    s.rounds = plan_rounds(s, units, s.rounds_pool, geometry().num_kv_heads, s.rounds_threads);
+  };
+  if (path_->batches_units() && !p.selecting) exact_rounds(p);
   path_->plan_batch(p);
+  // The dense layers' plan: the same rows, none selecting (its checks and counts are the plan's above, done once).
+  std::shared_ptr<StepPlan> dense;
+  if (p.selecting && config_.dense_layers > 0) {
+    dense = std::make_shared<StepPlan>(plan_step(geometry(), query_start_loc, seq_lens, block_table, num_reqs,
+                                                 num_actual_tokens, 0, device_, dense_plan_counts_));
+    if (path_->batches_units()) exact_rounds(*dense);
+    path_->plan_batch(*dense);
+  }
   telemetry_.add(Counter::kBuildCalls);
   telemetry_.add(Counter::kRequestRows, num_reqs);
   p.build_id = telemetry_.get(Counter::kBuildCalls);
+  if (dense) {
+    dense->build_id = p.build_id;
+    p.dense = std::move(dense);
+  }
   return p;
 }
 
@@ -248,10 +265,12 @@ void Engine::update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& v
   }
 }
 
-void Engine::forward(int64_t layer, const StepPlan& plan, const at::Tensor& query, const at::Tensor& kv_cache,
+void Engine::forward(int64_t layer, const StepPlan& step_plan, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& output, double scale) {
   const auto t0 = std::chrono::steady_clock::now();
   check_layer(layer);
+  // A dense layer (EngineConfig::dense_layers) attends every block: the step's plan without selection.
+  const StepPlan& plan = step_plan.dense && layer < config_.dense_layers ? *step_plan.dense : step_plan;
   const auto& g = geometry();
   const int64_t h = g.num_heads, d = g.head_size;
   const int64_t used = plan.query_start_loc.data_ptr<int32_t>()[plan.num_reqs];

@@ -21,7 +21,8 @@ struct OptionSpec {
 constexpr OptionSpec kOptions[] = {
     {"mode", OptionKind::kText},          {"pool_blocks", OptionKind::kInt},   {"tile_blocks", OptionKind::kInt},
     {"kernel", OptionKind::kText},        {"budget_tokens", OptionKind::kInt}, {"sink_blocks", OptionKind::kInt},
-    {"recent_blocks", OptionKind::kInt},  {"telemetry_json", OptionKind::kPath}, {"placement", OptionKind::kText},
+    {"recent_blocks", OptionKind::kInt},  {"dense_layers", OptionKind::kInt}, {"telemetry_json", OptionKind::kPath},
+    {"placement", OptionKind::kText},
 };
 
 std::string option_label(const std::string& name) { return "additional_config['activekv']['" + name + "']"; }
@@ -122,6 +123,9 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
   cfg.budget_tokens = option_int(options, "budget_tokens", cfg.budget_tokens);
   cfg.sink_blocks = option_int(options, "sink_blocks", cfg.sink_blocks);
   cfg.recent_blocks = option_int(options, "recent_blocks", cfg.recent_blocks);
+  cfg.dense_layers = option_int(options, "dense_layers", cfg.dense_layers);
+  AKV_CHECK_VALUE(cfg.dense_layers <= group.num_layers, option_label("dense_layers"), " must be in [0, ",
+                  group.num_layers, "] (the model's attention layers), got ", cfg.dense_layers);
   if (cfg.placement == Placement::kInPlace) {
     cfg.pool_blocks = 0;
     if (cfg.mode == Mode::kCompressed) worst_case_union_blocks(cfg);  // the budget's checks, as a pool's default

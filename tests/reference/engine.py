@@ -201,7 +201,7 @@ class RefEngine:
     def __init__(self, num_layers: int, num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
                  dtype: torch.dtype, pool_blocks: int, tile_blocks: int, mode: str = "exact",
                  budget_tokens: int = 2048, sink_blocks: int = 1, recent_blocks: int = 2, kernel: str = "aten",
-                 device: torch.device | str = "cpu", placement: str = "pool") -> None:
+                 device: torch.device | str = "cpu", placement: str = "pool", dense_layers: int = 0) -> None:
         if kernel != "aten":
             raise ValueError(f"the reference mirrors the ATen tile path only, got kernel={kernel!r}")
         if placement not in ("pool", "in_place"):
@@ -214,6 +214,9 @@ class RefEngine:
         if self.device.type == "cuda" and self.device.index is None:  # as the engine: pin the current device's index
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.mode, self.sink_blocks, self.recent_blocks = mode, sink_blocks, recent_blocks
+        if mode == "compressed" and not 0 <= dense_layers <= num_layers:
+            raise ValueError(f"dense_layers must be in [0, num_layers = {num_layers}], got {dense_layers}")
+        self.dense_layers = dense_layers  # engine.h EngineConfig: the first layers attend every block
         self.top_k = budget_tokens // block_size - sink_blocks - recent_blocks
         self.selection: list[dict[int, torch.Tensor]] = [{} for _ in range(num_layers)]
         self.num_layers, self.num_heads, self.num_kv_heads = num_layers, num_heads, num_kv_heads
@@ -376,7 +379,8 @@ class RefEngine:
             qg = group_query(q, self.num_kv_heads)
             st = online_softmax_init(self.num_kv_heads, qg.shape[1], self.head_size, self.device)
             row = bt[r, :nb].tolist()
-            if self.mode == "compressed" and lq == 1 and nb > per_head:
+            # engine.cpp forward: a dense layer takes the step's plan without selection (StepPlan::dense)
+            if self.mode == "compressed" and layer >= self.dense_layers and lq == 1 and nb > per_head:
                 self._attend_selected(layer, lay, host, row, seq, r, q, qg, st, scale)
             else:
                 self._attend_exact(lay, host, row, seq, lq, qg, st, scale)

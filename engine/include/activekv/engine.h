@@ -73,6 +73,9 @@ struct EngineConfig {
   int64_t budget_tokens = 2048;  ///< tokens a selecting decode row attends per KV head
   int64_t sink_blocks = 1;
   int64_t recent_blocks = 2;
+  /// The first dense_layers layers attend every block of every row, as exact mode (Quest keeps its first two layers
+  /// dense: their attention is spread, so no budget captures it); in [0, geometry.num_layers].
+  int64_t dense_layers = 0;
 };
 
 /// Blocks a compressed-mode pool must hold for one request row: the union of every KV head's selection,
@@ -87,8 +90,8 @@ class Engine {
  public:
   /// @throws c10::ValueError if the geometry is invalid; with a pool if pool_blocks < tile_blocks; in place if the
   ///         device is neither the CPU nor CUDA or pool_blocks is not 0; in compressed mode also if recent_blocks < 1,
-  ///         sink_blocks < 0, budget_tokens < (sink_blocks + recent_blocks + 1) * block_size, or (with a pool)
-  ///         pool_blocks < worst_case_union_blocks.
+  ///         sink_blocks < 0, budget_tokens < (sink_blocks + recent_blocks + 1) * block_size, dense_layers outside
+  ///         [0, num_layers], or (with a pool) pool_blocks < worst_case_union_blocks.
   /// @param device the pool's device. On CPU the host tier (each layer's kv_cache) is CPU memory too. On a CUDA device
   ///        it is either that device's memory (resident; in place it must be) or pinned CPU memory (tiered: admitted
   ///        blocks move host-to-device on a copy stream, transfer.h; KV updates write the new tokens back to the host
@@ -182,6 +185,7 @@ class Engine {
   at::Device device_;
   KVState kv_;
   Telemetry telemetry_;
+  Telemetry dense_plan_counts_{false};  ///< what planning a step's dense-layer plan counts (not reported)
   Selection selection_;
   uint64_t clock_ = 0;
   std::unordered_map<std::string, int64_t> layer_names_;

@@ -15,6 +15,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -80,6 +81,9 @@ struct StepPlan {
   int64_t rounds_pool = 0;
   int64_t rounds_threads = 0;
   DecodeBatch batch;  ///< made by build where the engine's path attends a decode batch (forward_path.h plan_batch)
+  /// Compressed mode with dense layers (EngineConfig::dense_layers), a step where some row selects: the plan the
+  /// dense layers take, the same rows with none selecting; null otherwise (every layer takes this plan).
+  std::shared_ptr<const StepPlan> dense;
 
   int64_t num_units() const { return static_cast<int64_t>(unit_row.size()); }
 };
