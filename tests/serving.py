@@ -24,6 +24,11 @@ from tools.vllm_run import COMPILE_CACHE_ENV, VLLM_CACHE_ROOT
 # vLLM's own CLI exactly as its `vllm` console script runs it (vllm's entry_points.txt), with this venv's python.
 VLLM_CLI = [sys.executable, "-c",
             "import sys; from vllm.entrypoints.cli.main import main; sys.argv[0] = 'vllm'; sys.exit(main())"]
+# For servers whose tests assert on the process (exit codes, shutdown, error lines) or on ActiveKV's telemetry and
+# routes, not on the tokens of vLLM's default compiled mode: vLLM's eager mode, the same start-up path without
+# torch.compile and its warm-up. The compiled server path is tested where tokens are compared (tests/test_wheel_flow.py,
+# tests/test_readme_serve.py, tests/test_serve_load.py).
+EAGER = ["--enforce-eager"]
 
 
 def base_python() -> str:

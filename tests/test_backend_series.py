@@ -586,7 +586,7 @@ sys.path.insert(0, sys.argv[1])
 from tools.vllm_run import ACTIVEKV, EngineConfig, VllmEngine
 try:
     VllmEngine(EngineConfig(sys.argv[2], backend=ACTIVEKV, activekv={"pool_blocks": 8, "tile_blocks": 4},
-                            block_size=16)).close()
+                            block_size=16, enforce_eager=True)).close()
     print("started")
 except RuntimeError as e:
     print("RuntimeError:", e)
@@ -595,9 +595,10 @@ except RuntimeError as e:
 
 @pytest.mark.vllm
 def test_llm_with_activekv_on_a_vllm_patched_by_another_series_fails_at_start_up(tmp_path: Path) -> None:
-    """End to end: vLLM's LLM(...) with ACTIVEKV (in-process engine core), imported from a linked copy of the venv's
-    vLLM, starts; once the copy's 0002 module is another release's, LLM(...) fails with the backend's message (vLLM
-    builds the layers' Impl at model construction, before loading weights)."""
+    """End to end: vLLM's LLM(...) with ACTIVEKV (in-process engine core, eager: the start-up check is under test, not
+    the compiled graphs), imported from a linked copy of the venv's vLLM, starts; once the copy's 0002 module is
+    another release's, LLM(...) fails with the backend's message (vLLM builds the layers' Impl at model construction,
+    before loading weights)."""
     from tools.make_tiny_model import make_tiny_model
 
     model = make_tiny_model(REPO / "build" / "tiny-llama")

@@ -1,5 +1,6 @@
 """ActiveKV's native endpoint plugin in a running server: `activekv serve` (the native launcher of this build, in
-.venv) on the tiny Llama with --api-key, VLLM_PLUGINS left to the launcher, the engine core in its own process.
+.venv) on the tiny Llama with --api-key, VLLM_PLUGINS left to the launcher, the engine core in its own process, eager
+(tests/serving.py `EAGER`: the routes are checked, not the tokens).
 
 Checks that vLLM loads the plugin through its entry point, that GET /activekv/telemetry and /activekv/health answer
 with live numbers that move while requests run (and agree with /metrics, which carries the mode and pool gauges too),
@@ -59,7 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     options = {"activekv": {"pool_blocks": POOL_BLOCKS, "tile_blocks": 4}}
     cmd = [str(LAUNCHER), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "tiny",
-           "--api-key", KEY, "--additional-config", json.dumps(options)]
+           "--api-key", KEY, *serving.EAGER, "--additional-config", json.dumps(options)]
     with serving.served(cmd, log, env, START_TIMEOUT_S, port) as proc:
         yield {"proc": proc, "port": port, "log": log, "segments": segments, "tmp": tmp}
 

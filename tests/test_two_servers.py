@@ -1,6 +1,7 @@
 """Two `activekv serve` processes side by side (issue 7, item 7): two vLLM servers with ActiveKV on two ports of one
 machine, each with its engine core in its own process (vLLM's default), each answering requests, each with its own
-telemetry.
+telemetry. Both run eager (tests/serving.py `EAGER`): what is checked is that the processes and their telemetry are
+separate, and that both give the same tokens.
 
 Memory is kept low: the tiny model, a KV cache of 64 blocks of 16 tokens per layer (`--num-gpu-blocks-override`),
 `--max-model-len 512`, `--max-num-seqs 4`. The servers differ in one ActiveKV option (`pool_blocks` 8 and 12) so
@@ -59,7 +60,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict
             cmd = [str(LAUNCHER), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype",
                    "float32", "--max-model-len", "512", "--max-num-seqs", "4", "--block-size",
                    "16", "--num-gpu-blocks-override", "64", "--served-model-name", "tiny",
-                   "--additional-config", json.dumps(options)]
+                   *serving.EAGER, "--additional-config", json.dumps(options)]
             proc = stack.enter_context(serving.served(cmd, log, env, START_TIMEOUT_S, port))
             out[name] = {"proc": proc, "port": port, "log": log, "json": tjson, "pool": pool}
         yield out

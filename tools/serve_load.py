@@ -1,6 +1,6 @@
 """Serving under load on the real model: `activekv serve` and stock `vllm serve` driven by the OpenAI client.
 
-    python -m tools.serve_load [--requests 64] [--waves 8] [--pool-blocks 16] [--json OUT]
+    python -m tools.serve_load [--requests 64] [--waves 8] [--stock-waves N] [--pool-blocks 16] [--json OUT]
 
 For each server in turn (stock vLLM with CPU_ATTN first, then `activekv serve` in exact mode with a pool of
 --pool-blocks blocks of 16 tokens per layer), on a free loopback port, float32, vLLM's default compiled mode and its
@@ -9,6 +9,8 @@ package's AsyncOpenAI, greedy, ignore_eos, top-2 logprobs, tokens returned as id
 load in the same arrival order (requests started in order, --gap-ms apart): real-text prompts (slices of Python's
 documentation, pydoc_data, in the model's chat template) of mixed lengths, from short to several times the pool,
 with 4-48 new tokens; every --cancel-every-th request closes its stream after a few chunks (a client that goes away).
+Stock vLLM runs --stock-waves waves (default: --waves); its first wave is the reference every ActiveKV wave is compared
+with, so `--stock-waves 1` checks the same things of ActiveKV in less time (tests/test_serve_load.py runs it so).
 
 Checked and printed:
 - error responses (any exception or HTTP error on a request that was not cancelled): must be 0;
@@ -267,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_OUTDIR)
     parser.add_argument("--requests", type=int, default=64, help="concurrent requests per wave")
     parser.add_argument("--waves", type=int, default=8, help="waves of the same load; the first is the warm-up")
+    parser.add_argument("--stock-waves", type=int, default=None,
+                        help="waves on stock vLLM (default: --waves); its first is the reference")
     parser.add_argument("--pool-blocks", type=int, default=16, help="ActiveKV's pool per layer, blocks of 16 tokens")
     parser.add_argument("--cancel-every", type=int, default=8, help="every N-th request is cancelled mid-stream")
     parser.add_argument("--gap-ms", type=float, default=20.0, help="time between request starts in a wave")
@@ -277,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.requests < 1 or args.waves < 2:
         parser.error("--requests must be >= 1 and --waves >= 2 (the first wave is the warm-up)")
+    stock_waves = args.waves if args.stock_waves is None else args.stock_waves
+    if not 1 <= stock_waves <= args.waves:
+        parser.error("--stock-waves must be between 1 and --waves")
     if not LAUNCHER.is_file():
         print(f"serve_load: {LAUNCHER} missing: run `make build patch-vllm`", file=sys.stderr)
         return 2
@@ -286,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     load = make_load(tokenizer, args.requests, args.pool_blocks * BLOCK_SIZE, args.seed, args.cancel_every)
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    runs = {kind: serve_and_load(kind, model, load, args.waves, args.gap_ms / 1000, args.pool_blocks, args.log_dir,
+    waves = {"stock": stock_waves, "activekv": args.waves}
+    runs = {kind: serve_and_load(kind, model, load, waves[kind], args.gap_ms / 1000, args.pool_blocks, args.log_dir,
                                  args.max_num_seqs) for kind in ("stock", "activekv")}
     summary = summarize(load, runs["stock"], runs["activekv"])
     summary["pool_tokens"] = args.pool_blocks * BLOCK_SIZE
@@ -302,9 +310,10 @@ def main(argv: list[str] | None = None) -> int:
           f"(max |logprob diff| {summary['max_logprob_diff']:.2g})")
     for kind in ("stock", "activekv"):
         rss = ", ".join(f"{v:.0f}" for v in summary["rss_mib"][kind])
+        grew = (f"; growth over the last half {100 * summary['rss_growth_last_half'][kind]:+.2f}%"
+                if len(summary["rss_mib"][kind]) > 1 else "")
         print(f"{kind}: start {summary['start_s'][kind]:.0f} s, waves "
-              f"{', '.join(f'{s:.0f}' for s in summary['wave_s'][kind])} s, RSS after each wave (MiB) {rss}; "
-              f"growth over the last half {100 * summary['rss_growth_last_half'][kind]:+.2f}%")
+              f"{', '.join(f'{s:.0f}' for s in summary['wave_s'][kind])} s, RSS after each wave (MiB) {rss}{grew}")
     for line in summary["error_samples"] + summary["difference_samples"]:
         print(f"  {line}")
     print(f"ok: {ok}")
