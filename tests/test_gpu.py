@@ -127,7 +127,8 @@ def _resident_after_prefill(dtype: torch.dtype = torch.float32, mode: str = "exa
     resident in the pool after one forward. Returns (engine, kv, prefill keys [20, KVH, D])."""
     import activekv._backend as backend
 
-    eng = backend.Engine(1, 8, 2, 128, 16, dtype, 8, 4, device=torch.device("cuda"), mode=mode, kernel="aten")
+    eng = backend.Engine(1, 8, 2, 128, 16, dtype, 8, 4, device=torch.device("cuda"), mode=mode,
+                         budget_tokens=64, kernel="aten")  # compressed: sink 1 + recent 2 + top-1 per KV head fit 8
     kv = torch.zeros((8, 2, 16, 256), dtype=dtype).pin_memory()
     g = torch.Generator(device="cuda").manual_seed(5)
     k = torch.randn(20, 2, 128, device="cuda", generator=g).to(dtype)
