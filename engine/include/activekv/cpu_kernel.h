@@ -7,10 +7,10 @@
 /// Per chunk and query row: the scores of all the chunk's keys (16 keys at a time in 16 registers, summed by one
 /// butterfly of vector additions with AVX-512, no horizontal reduction per key), one online-softmax merge (Milakov &
 /// Gimelshein 2018; as in FlashAttention, Dao et al. 2022: running max and sum, the accumulator rescaled once per
-/// chunk), then the probabilities times V. A call of 16 query rows or more (a prefill chunk's) scores each chunk as a
-/// small matrix product instead: the chunk's K packed once per chunk (transposed, widened to float32), then each score
-/// one chain of fused multiply-adds over the head in one vector lane, 2 x kW keys by up to 4 rows per pass, no
-/// reduction across lanes; a score does not depend on the other rows or keys of its pass.
+/// chunk), then the probabilities times V. 16 query rows or more (a prefill chunk's): chunks of <= 256 keys, K and V
+/// packed once per chunk in float32 panels, scores and P x V as small matrix products (6 rows x 2 x kW per pass, each
+/// value one fused multiply-add chain in one lane, keys in order), no lane reductions; no result depends on its pass.
+/// The arithmetic order is fixed per (row, KV head) by the chunking (chunk_blocks, or 256 keys from 16 rows on).
 ///
 /// Built once per CPU capability (DEFAULT, AVX2, AVX512) with ATen's `at::vec::Vectorized` and chosen at run time
 /// (`ATEN_CPU_CAPABILITY=default|avx2|avx512` caps the choice, as it does for ATen). Float32 accumulation whatever the
@@ -18,7 +18,7 @@
 /// that are multiples of 32 and block sizes that are multiples of 16: Q K^T with K read in place, then P V with the
 /// probabilities rounded to bfloat16 (as ATen's CPU flash attention and vLLM's CPU_ATTN AMX path round them) spread
 /// over AMX's pairs and V read in place (no copy); float32 accumulation, the same chunking and online softmax. The
-/// arithmetic order is fixed per (row, KV head) by the chunking (chunk_blocks blocks from the first one given), so
+/// arithmetic order is fixed per (row, KV head) by the chunking (chunks from the first block given), so
 /// results are identical run to run, across thread counts and however the caller groups whole chunks; they are not
 /// bit-identical to the ATen tile path (vectorised dot products and exp): docs/parity.md states the contract and
 /// tests/test_cpu_kernel.py checks it.

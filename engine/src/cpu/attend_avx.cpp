@@ -111,6 +111,114 @@ void score_packed(const AttendArgs& a, int64_t r0, const float* kt, int64_t n, f
   }
 }
 
+// Columns of the head per panel of the packed V (two vectors: 2 x RB accumulators per pass of P x V).
+constexpr int64_t kPackCols = 2 * kW;
+// Keys per chunk of the packed path at most (whole blocks, at least one): its packed K and V (64 KiB each at head size
+// 64) stay in L2 while every row group of the call walks them; a larger tile (block 128: 2048 keys) is taken in
+// chunks of this many keys, each merged on its own, fixed by the call's blocks and so by the tile, not by the rows.
+constexpr int64_t kPackChunkKeys = 256;
+
+// V of a chunk packed for the matrix-product P x V in panels of kPackCols columns of the head, each panel contiguous
+// over the chunk's keys (what one pass reads, in order): vt[(j / P) * nk * P + t * P + j % P] = V[t, j] widened to
+// float32 (P = kPackCols; key t of the chunk, blocks c0 .. c0 + cb - 1 of the args in order), zeros for the columns
+// of the last panel past the head size.
+template <typename T>
+void pack_values(const AttendArgs& a, int64_t c0, int64_t cb, float* vt) {
+  const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs;
+  const int64_t dp = (d + kPackCols - 1) / kPackCols * kPackCols;
+  for (int64_t c = 0; c < cb; ++c) {
+    const T* v = static_cast<const T*>(a.kv[c0 + c]) + bs * d;
+    for (int64_t t = 0; t < bs; ++t) {
+      const int64_t key = c * bs + t;
+      const T* vr = v + t * d;
+      float* row = vt + key * kPackCols;  // key's values of panel 0
+      const auto dst = [&](int64_t j) { return row + (j / kPackCols) * nk * kPackCols + j % kPackCols; };
+      int64_t j = 0;
+      for (; j + kW <= d; j += kW) load_float(vr + j).store(dst(j));
+      for (; j < dp; ++j) *dst(j) = j < d ? static_cast<float>(vr[j]) : 0.f;
+    }
+  }
+}
+
+// P x V of the RB rows r0 .. r0 + RB - 1 against the packed V (vt, nk keys): acc[i][j] = acc[i][j] * alpha[i] + sum
+// of p[i * nk + t] * V[t, j] over the row's visible keys t of the chunk in order (lim: the rows' visible keys per
+// block, [RB, cb]). Per panel of kPackCols columns, RB x 2 accumulators in registers over the chunk's keys, each key's
+// two vectors of V loaded once for the RB rows and each probability broadcast once for both: per element one chain of
+// fused multiply-adds in key order, so a row's result does not depend on RB or on the other rows.
+template <int RB>
+void values_packed(const AttendArgs& a, int64_t r0, const float* vt, int64_t cb, const float* p, int64_t nk,
+                   const int64_t* lim, const float* alpha) {
+  const int64_t bs = a.block_size, d = a.head_size;
+  float* acc[RB];
+  for (int i = 0; i < RB; ++i) acc[i] = a.acc + (r0 + i) * d;
+  for (int64_t j = 0; j < d; j += kPackCols) {
+    const float* panel = vt + (j / kPackCols) * nk * kPackCols;
+    const int64_t cols = std::min(kPackCols, d - j);
+    Vec o[RB][2];
+    for (int i = 0; i < RB; ++i) {
+      if (cols == kPackCols) {
+        o[i][0] = Vec::loadu(acc[i] + j) * Vec(alpha[i]);
+        o[i][1] = Vec::loadu(acc[i] + j + kW) * Vec(alpha[i]);
+      } else {  // a head size off 2 x kW: the last panel's columns past the head read as zeros and are not stored
+        alignas(64) float tmp[kPackCols] = {};
+        std::copy(acc[i] + j, acc[i] + j + cols, tmp);
+        o[i][0] = Vec::loadu(tmp) * Vec(alpha[i]);
+        o[i][1] = Vec::loadu(tmp + kW) * Vec(alpha[i]);
+      }
+    }
+    for (int64_t c = 0; c < cb; ++c) {
+      int64_t lim_c[RB];
+      for (int i = 0; i < RB; ++i) lim_c[i] = lim[i * cb + c];
+      accumulate_block<float, RB, 2>(panel + c * bs * kPackCols, kPackCols, 0, p + c * bs, nk, lim_c, o);
+    }
+    for (int i = 0; i < RB; ++i) {
+      if (cols == kPackCols) {
+        o[i][0].store(acc[i] + j);
+        o[i][1].store(acc[i] + j + kW);
+      } else {
+        alignas(64) float tmp[kPackCols];
+        o[i][0].store(tmp);
+        o[i][1].store(tmp + kW);
+        std::copy(tmp, tmp + cols, acc[i] + j);
+      }
+    }
+  }
+}
+
+// One chunk of a prefill chunk's rows (16 or more per call) for RB query rows r0 .. r0 + RB - 1, against the chunk's K
+// and V packed (kt, vt): the scores of every key up to the last one a row sees, -inf past each row's limits up to its
+// end (its last visible key rounded up to kW: merge_rows reads no further), one online-softmax merge per row, then
+// P x V as a matrix product. s: [RB, cb * bs] scratch; valid: [RB, cb] scratch. Its own function (not a branch of
+// chunk_rows), so the decode path's instantiations stay as they are.
+template <int RB>
+void chunk_packed(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* s, int64_t* valid, const float* kt,
+                  const float* vt) {
+  const int64_t bs = a.block_size, nk = cb * bs, nkv = nk - nk % kW;
+  int64_t any = 0;
+  for (int i = 0; i < RB; ++i) {  // valid_keys, each row's position taken once (one division per row, not per block)
+    const int64_t seen = a.first_query_pos + (r0 + i) % a.num_q + 1;  // keys before the row's position and its own
+    for (int64_t c = 0; c < cb; ++c)
+      any += valid[i * cb + c] = std::min<int64_t>(bs, std::max<int64_t>(0, seen - a.block_pos[c0 + c] * bs));
+  }
+  if (any == 0) return;  // a row group before this chunk: nothing to merge
+  int64_t end[RB], seen = 0;
+  for (int i = 0; i < RB; ++i) {
+    int64_t last = 0;
+    for (int64_t c = 0; c < cb; ++c)
+      if (valid[i * cb + c] > 0) last = std::max(last, c * bs + valid[i * cb + c]);
+    seen = std::max(seen, last);
+    end[i] = (last + kW - 1) / kW * kW;
+    if (end[i] > nkv) end[i] = nk;
+  }
+  score_packed<RB>(a, r0, kt, (seen + kPackKeys - 1) / kPackKeys * kPackKeys, static_cast<float>(a.scale), s, nk);
+  for (int i = 0; i < RB; ++i)
+    for (int64_t c = 0; c * bs < end[i]; ++c)
+      std::fill(s + i * nk + c * bs + valid[i * cb + c], s + i * nk + std::min((c + 1) * bs, end[i]), kNegInf);
+  float alpha[RB];
+  merge_rows<RB>(a, r0, s, nk, alpha, nullptr, 0, end);
+  values_packed<RB>(a, r0, vt, cb, s, nk, valid, alpha);
+}
+
 // One chunk (blocks c0 .. c0 + cb - 1 of the args, at most chunk_blocks) for RB query rows r0 .. r0 + RB - 1: the
 // scores of every key of the chunk, then one online-softmax merge per row (running max, rescale of the accumulator,
 // probabilities), then the rows' accumulators walk the chunk's V one vector of the head at a time, the RB rows
@@ -118,7 +226,7 @@ void score_packed(const AttendArgs& a, int64_t r0, const float* kt, int64_t n, f
 // (bfloat16 KV on a processor with AVX512-BF16) or null.
 template <typename T, int RB>
 void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* s, int64_t* valid,
-                const at::BFloat16* q_bf16, const float* kt) {
+                const at::BFloat16* q_bf16) {
   const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs;
   const float scale = static_cast<float>(a.scale);
   int64_t any = 0;
@@ -130,17 +238,7 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   // sizes that are multiples of 16 = kW), else head sizes that are multiples of kW.
   const bool whole_groups = q_bf16 != nullptr || d % kW == 0;
   const int64_t k_bytes = bs * d * static_cast<int64_t>(sizeof(T));
-  if (kt != nullptr) {  // K packed (a prefill chunk's rows): every key up to the last one a row sees, then the limits
-    int64_t seen = 0;
-    for (int i = 0; i < RB; ++i)
-      for (int64_t c = 0; c < cb; ++c)
-        if (valid[i * cb + c] > 0) seen = std::max(seen, c * bs + valid[i * cb + c]);
-    score_packed<RB>(a, r0, kt, (seen + kPackKeys - 1) / kPackKeys * kPackKeys, scale, s, nk);
-    for (int i = 0; i < RB; ++i)
-      for (int64_t c = 0; c < cb; ++c)
-        std::fill(s + i * nk + c * bs + valid[i * cb + c], s + i * nk + (c + 1) * bs, kNegInf);
-  }
-  for (int64_t c = 0; c < cb && kt == nullptr; ++c) {
+  for (int64_t c = 0; c < cb; ++c) {
     const T* k = static_cast<const T*>(a.kv[c0 + c]);
     ask_next_block(a, c0 + c, k_bytes);
     // Groups of kW keys every row sees, scored for the RB rows together (K loaded once for them) where the rows divide
@@ -233,6 +331,10 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
 }
 
 constexpr int kRowBlock = 4;  // query rows sharing each pass over V (a GQA group of 4 in one pass)
+// Query rows per pass of the packed path (a prefill chunk's rows): 6 x 2 accumulators, 2 vectors of K or V and a
+// broadcast fit AVX2's 16 vector registers; 12 independent chains of fused multiply-adds cover their latency (the
+// same with AVX-512, measured on a processor of one 512-bit load per cycle: its loop waits on the multiply-adds).
+constexpr int kPackRowBlock = 6;
 
 template <typename T>
 void attend(const AttendArgs& a) {
@@ -242,26 +344,49 @@ void attend(const AttendArgs& a) {
   const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
   thread_local std::vector<float> s;
   thread_local std::vector<int64_t> valid;
-  s.resize(kRowBlock * cmax * bs);
-  valid.resize(kRowBlock * cmax);
+  s.resize(kPackRowBlock * cmax * bs);
+  valid.resize(kPackRowBlock * cmax);
   const at::BFloat16* qb = std::is_same_v<T, at::BFloat16> && uses_bf16_query(d) ? a.q_bf16 : nullptr;
-  // A prefill chunk's rows: the chunk's K packed once per chunk, transposed and widened, for the matrix-product scorer.
-  thread_local std::vector<float> kt;
-  const bool packed = a.rows >= kPackRows;
-  const int64_t ldk = (cmax * bs + kPackKeys - 1) / kPackKeys * kPackKeys;
-  if (packed) kt.resize(d * ldk);
+  if (a.rows >= kPackRows) {
+    // A prefill chunk's rows: each chunk's K and V packed once (float32 panels) for the matrix-product scorer and
+    // P x V, kPackRowBlock rows per pass, chunks of at most kPackChunkKeys keys.
+    thread_local std::vector<float> kt, vt;
+    const int64_t cstep = std::max<int64_t>(1, std::min(cmax, kPackChunkKeys / bs));
+    const int64_t ldk = (cstep * bs + kPackKeys - 1) / kPackKeys * kPackKeys;
+    kt.resize(d * ldk);
+    vt.resize((d + kPackCols - 1) / kPackCols * kPackCols * cstep * bs);
+    for (int64_t c0 = 0; c0 < a.num_blocks; c0 += cstep) {
+      const int64_t cb = std::min(cstep, a.num_blocks - c0);
+      bool seen = false;  // by the row of the last query token (the causal limit grows with the token)
+      for (int64_t c = 0; c < cb && !seen; ++c)
+        seen = valid_keys(a, std::min(a.num_q, a.rows) - 1, a.block_pos[c0 + c] * bs) > 0;
+      if (!seen) continue;  // a chunk past every row of the call (a run's later tiles): nothing to pack or merge
+      pack_keys<T>(a, c0, cb, kt.data(), (cb * bs + kPackKeys - 1) / kPackKeys * kPackKeys);
+      pack_values<T>(a, c0, cb, vt.data());
+      const float *k = kt.data(), *v = vt.data();
+      int64_t r0 = 0;
+      for (; r0 + kPackRowBlock <= a.rows; r0 += kPackRowBlock)
+        chunk_packed<kPackRowBlock>(a, r0, c0, cb, s.data(), valid.data(), k, v);
+      switch (a.rows - r0) {
+        case 5: chunk_packed<5>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
+        case 4: chunk_packed<4>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
+        case 3: chunk_packed<3>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
+        case 2: chunk_packed<2>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
+        case 1: chunk_packed<1>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
+        default: break;
+      }
+    }
+    return;
+  }
   for (int64_t c0 = 0; c0 < a.num_blocks; c0 += cmax) {
     const int64_t cb = std::min(cmax, a.num_blocks - c0);
-    const int64_t ld = (cb * bs + kPackKeys - 1) / kPackKeys * kPackKeys;
-    if (packed) pack_keys<T>(a, c0, cb, kt.data(), ld);
-    const float* k = packed ? kt.data() : nullptr;
     int64_t r0 = 0;
     for (; r0 + kRowBlock <= a.rows; r0 += kRowBlock)
-      chunk_rows<T, kRowBlock>(a, r0, c0, cb, s.data(), valid.data(), qb, k);
+      chunk_rows<T, kRowBlock>(a, r0, c0, cb, s.data(), valid.data(), qb);
     switch (a.rows - r0) {
-      case 3: chunk_rows<T, 3>(a, r0, c0, cb, s.data(), valid.data(), qb, k); break;
-      case 2: chunk_rows<T, 2>(a, r0, c0, cb, s.data(), valid.data(), qb, k); break;
-      case 1: chunk_rows<T, 1>(a, r0, c0, cb, s.data(), valid.data(), qb, k); break;
+      case 3: chunk_rows<T, 3>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
+      case 2: chunk_rows<T, 2>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
+      case 1: chunk_rows<T, 1>(a, r0, c0, cb, s.data(), valid.data(), qb); break;
       default: break;
     }
   }

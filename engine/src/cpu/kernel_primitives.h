@@ -279,16 +279,20 @@ inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
 // pb (the AMX path; nk a multiple of 16), each probability is also rounded to bfloat16 into pb [RB, ldp] (zeros from
 // nk to ldp, and for a row that sees no key of the chunk), and the running sum adds the rounded values, the ones its
 // P x V multiplies.
+// With end (pb null), row i's scores from end[i] on are all -inf (end[i] a multiple of kW, or nk) and are neither
+// read nor written: the same running max and sum as over all nk (each skipped key would add exp(-inf) = 0).
 template <int RB>
-void merge_rows(const AttendArgs& a, int64_t r0, float* s, int64_t nk, float* alpha, at::BFloat16* pb, int64_t ldp) {
+void merge_rows(const AttendArgs& a, int64_t r0, float* s, int64_t nk, float* alpha, at::BFloat16* pb, int64_t ldp,
+                const int64_t* end = nullptr) {
   for (int i = 0; i < RB; ++i) {
     const int64_t r = r0 + i;
     float* si = s + i * nk;
-    const int64_t nkv = nk - nk % kW;
+    const int64_t ne = end != nullptr ? end[i] : nk;
+    const int64_t nkv = std::min(ne, nk - nk % kW);
     Vec vmx(kNegInf);
     for (int64_t t = 0; t < nkv; t += kW) vmx = at::vec::maximum(vmx, Vec::loadu(si + t));
     float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
-    for (int64_t t = nkv; t < nk; ++t) mx = std::max(mx, si[t]);
+    for (int64_t t = nkv; t < ne; ++t) mx = std::max(mx, si[t]);
     if (mx == kNegInf) {  // no key of the chunk is visible to this row
       alpha[i] = 1.f;
       if (pb != nullptr) std::fill(pb + i * ldp, pb + (i + 1) * ldp, at::BFloat16(0.f));
@@ -306,7 +310,7 @@ void merge_rows(const AttendArgs& a, int64_t r0, float* s, int64_t nk, float* al
         sum = sum + p;
       }
       l = reduce_add(sum);
-      for (int64_t t = nkv; t < nk; ++t) l += si[t] = std::exp(si[t] - m_new);
+      for (int64_t t = nkv; t < ne; ++t) l += si[t] = std::exp(si[t] - m_new);
     } else {
       at::BFloat16* pi = pb + i * ldp;
       for (int64_t t = 0; t < ldp; t += 2 * kW) {  // 32 probabilities per conversion; past nk, zeros
