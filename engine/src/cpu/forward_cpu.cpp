@@ -126,7 +126,9 @@ class CpuPath : public ForwardPath {
     // address order. A row of more than kRunTokens query tokens (a prefill chunk) is split further, per KV head, GQA
     // group member and run of kRunTokens tokens, so that a long prefill of few KV heads keeps every thread busy. A
     // row's arithmetic does not depend on how its query rows are grouped (cpu_kernel.h), and the runs are fixed by
-    // the row alone, so the output is the same however many threads take the tasks.
+    // the row alone, so the output is the same however many threads take the tasks. A run's cost grows with its
+    // place in the chunk (causal: its tokens see more keys), so each (KV head, member)'s runs are listed from both
+    // ends inwards (first, last, second, ...): the threads' contiguous ranges of tasks then hold similar work.
     tasks_.clear();
     for (size_t i = 0; i < round_.size(); ++i) {
       if (round_[i].slots.empty()) continue;
@@ -134,8 +136,10 @@ class CpuPath : public ForwardPath {
       if (lq > kRunTokens) {
         for (int64_t hh = 0; hh < kvh; ++hh)
           for (int64_t gi = 0; gi < group; ++gi)
-            for (int64_t t0 = 0; t0 < lq; t0 += kRunTokens)
+            for (int64_t x = 0, runs = (lq + kRunTokens - 1) / kRunTokens; x < runs; ++x) {
+              const int64_t t0 = (x % 2 == 0 ? x / 2 : runs - 1 - x / 2) * kRunTokens;
               tasks_.push_back({i, hh, 1, gi * lq + t0, std::min(kRunTokens, lq - t0)});
+            }
       } else {
         for (int64_t h0 = 0; h0 < kvh; h0 += per_task) tasks_.push_back({i, h0, per_task, 0, group * lq});
       }
