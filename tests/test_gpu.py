@@ -291,9 +291,10 @@ def test_tiered_host_tier_must_be_pinned() -> None:
 @pytest.mark.parametrize("fn", ["copy_blocks_staged", "copy_blocks_mapped"])
 @pytest.mark.parametrize("dtype,head", [(torch.float32, 128), (torch.bfloat16, 80), (torch.float16, 3)])
 def test_tiered_copies_match_plain_copy_and_check_their_input(fn: str, dtype: torch.dtype, head: int) -> None:
-    """Both tiered copies move the same bytes as indexing would (head 3 fp16: a block of 6-byte rows, not a multiple
-    of 8 bytes, takes the mapped path's byte-wise gather); bad input raises with a message that names it (building
-    that message once crashed a GPU build whose compiler brought a second libstdc++: README, GPU)."""
+    """Both tiered copies move the same bytes as indexing would (head 3 fp16: rows of 6 bytes, blocks of 384; the
+    mapped path's fallback to index_select is test_mapped_gather_moves_index_selects_bytes's); bad input raises with a
+    message that names it (building that message once crashed a GPU build whose compiler brought a second libstdc++:
+    README, GPU)."""
     import activekv._transfer as transfer
 
     copy = getattr(transfer, fn)
@@ -311,6 +312,79 @@ def test_tiered_copies_match_plain_copy_and_check_their_input(fn: str, dtype: to
         copy(src, dst, [64], [0], stream)
     with pytest.raises(ValueError, match="copy stream's CUDA device"):
         copy(src, dst.cpu(), ids, slots, stream)
+
+
+def _random_blocks(num: int, block: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    """Pinned [num, *block] of random bytes (NaN and infinity patterns included), starting `offset` bytes into its
+    pinned buffer."""
+    size = torch.empty((), dtype=dtype).element_size()
+    nbytes = num * size * torch.Size(block).numel()
+    raw = torch.randint(0, 256, (offset + nbytes,), dtype=torch.uint8).pin_memory()
+    return raw[offset:].view(dtype).view(num, *block)
+
+
+def _gather_kernel_launches(fn) -> int:
+    """Launches of the engine's gather kernel (engine/src/cuda/gather.cu) while fn() runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "activekv" in e.key and "gather_kernel" in e.key)
+
+
+# (block shape, dtype, src offset in bytes, whether the gather kernel takes it)
+GATHER_CASES = [((2, 2, 16, 128), torch.bfloat16, 0, True),  # 16 KiB blocks
+                ((1, 2, 3, 4), torch.float16, 0, True),  # 48 bytes: a warp's reads span several blocks
+                ((2, 2, 16, 128), torch.bfloat16, 8, False),  # src not 16-byte aligned: index_select, 8-byte words
+                ((1, 2, 1, 5), torch.float32, 0, False),  # 40 bytes: index_select, 8-byte words
+                ((1, 2, 5, 3), torch.float16, 0, False)]  # 60 bytes: index_select, bytes
+
+
+@pytest.mark.parametrize("ctas", [None, "1", "3", "132"])
+@pytest.mark.parametrize("block,dtype,offset,kernel", GATHER_CASES)
+def test_mapped_gather_moves_index_selects_bytes(block: tuple[int, ...], dtype: torch.dtype, offset: int,
+                                                 kernel: bool, ctas: str | None,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """copy_blocks_mapped's gather (the CUDA gather kernel where a block is a multiple of 16 bytes at an aligned src,
+    else index_select) lands exactly index_select's bytes: repeated src ids, a single block, and 203 blocks of 16 KiB
+    (51 tiles of the kernel) from one CTA (ACTIVEKV_GATHER_CTAS=1: grid-stride over more tiles than CTAs)."""
+    import activekv._transfer as transfer
+
+    if ctas is None:
+        monkeypatch.delenv("ACTIVEKV_GATHER_CTAS", raising=False)
+    else:
+        monkeypatch.setenv("ACTIVEKV_GATHER_CTAS", ctas)
+    assert transfer.mapped_gather_ctas() > 0  # make gpu-check's build has the kernel
+    if ctas is not None:
+        assert transfer.mapped_gather_ctas() == int(ctas)
+    rng = random.Random(7)
+    src = _random_blocks(300, block, dtype, offset)
+    dst = torch.zeros(256, *block, dtype=dtype, device="cuda")
+    stream = torch.cuda.Stream()
+    for ids in ([rng.randrange(300) for _ in range(200)] + [17, 17, 17],  # repeats
+                [299],  # one block, the last
+                list(range(299, -1, -2))):
+        slots = rng.sample(range(256), len(ids))
+        dst.zero_()
+        launches = _gather_kernel_launches(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
+        assert launches == (1 if kernel else 0), (block, offset, launches)
+        want = src.index_select(0, torch.tensor(ids))
+        assert torch.equal(dst[slots].cpu().view(torch.uint8), want.view(torch.uint8))
+        untouched = sorted(set(range(256)) - set(slots))
+        assert not dst[untouched].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("value", ["0", "1025", "-4", "32x", ""])
+def test_gather_ctas_out_of_range_is_the_default(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import activekv._transfer as transfer
+
+    monkeypatch.delenv("ACTIVEKV_GATHER_CTAS", raising=False)
+    default = transfer.mapped_gather_ctas()
+    monkeypatch.setenv("ACTIVEKV_GATHER_CTAS", value)
+    assert transfer.mapped_gather_ctas() == default
+    monkeypatch.setenv("ACTIVEKV_GATHER_CTAS", "1024")
+    assert transfer.mapped_gather_ctas() == 1024
 
 
 # ---- CUDA kernel (cuda_kernel.h) against the ATen path ------------------------------------------------------------

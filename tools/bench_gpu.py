@@ -15,7 +15,8 @@ Sections (--sections picks some; the JSON then holds only those):
 1. ceilings: one pinned host->device and device->host copy of 256 MiB; a device->device copy of 4 GiB (read + write);
 2. blocks: transfer.copy_blocks_staged/mapped of 256 MiB as blocks of 16 KiB .. 4 MiB (CPU gather into pinned
    staging, one copy on a copy stream; or a device gather reading pinned memory), against one plain pinned copy of the
-   same bytes, and one `copy_` per block;
+   same bytes, and one `copy_` per block; then copy_blocks_mapped of 16 and 64 KiB blocks at each CTA count of its
+   gather kernel (ACTIVEKV_GATHER_CTAS: 2 .. 132, and the default), the JSON's "gather";
 3. streamed: exact decode whose context lives in a pinned host tier and streams through a pool of 1/8 of it;
    achieved host->device rate against the pinned bus ceiling of section 1;
 4. resident: exact decode with every block on the device, in place (placement in_place: the KV cache on the device,
@@ -134,6 +135,46 @@ def block_batches(quick: bool) -> list[dict]:
         rows.append({"block_KiB": block >> 10, "blocks": n, "staged_GBps": staged, "mapped_GBps": mapped,
                      "plain_GBps": plain,
                      "per_block_copy_GBps": per_block})
+    return rows
+
+
+GATHER_CTAS = (2, 4, 8, 16, 32, 64, 132)
+
+
+def gather_sweep() -> list[dict]:
+    """copy_blocks_mapped of 256 MiB as 16 and 64 KiB blocks at each CTA count of its gather kernel
+    (ACTIVEKV_GATHER_CTAS, read at each call) and at the default; empty in a build without the kernel."""
+    import activekv._transfer as transfer
+
+    total = 256 << 20
+    stream = torch.cuda.Stream()
+    saved = os.environ.pop("ACTIVEKV_GATHER_CTAS", None)
+    default = transfer.mapped_gather_ctas()
+    rows = []
+    try:
+        if default == 0:
+            return rows
+        for block in (16 << 10, 64 << 10):
+            n = total // block
+            src = torch.randn(2 * n, block // 2).to(DT).pin_memory()  # as block_batches: scattered from twice the batch
+            dst = torch.empty(n, block // 2, dtype=DT, device="cuda")
+            ids = torch.randperm(2 * n)[:n].tolist()
+            slots = list(range(n))
+            for ctas in (*GATHER_CTAS, None):
+                if ctas is None:
+                    os.environ.pop("ACTIVEKV_GATHER_CTAS", None)
+                else:
+                    os.environ["ACTIVEKV_GATHER_CTAS"] = str(ctas)
+                assert transfer.mapped_gather_ctas() == (ctas or default)
+                rate = total / timed(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream), reps=5) / 1e9
+                rows.append({"block_KiB": block >> 10, "ctas": ctas or default, "default": ctas is None,
+                             "mapped_GBps": rate})
+            del src, dst
+    finally:
+        if saved is None:
+            os.environ.pop("ACTIVEKV_GATHER_CTAS", None)
+        else:
+            os.environ["ACTIVEKV_GATHER_CTAS"] = saved
     return rows
 
 
@@ -299,6 +340,23 @@ def blocks_table(res: dict) -> list[str]:
     return lines
 
 
+def gather_table(res: dict) -> list[str]:
+    """copy_blocks_mapped by CTA count of its gather kernel, a column pair per block size: GB/s, and its ratio to one
+    plain copy where the blocks section has it."""
+    plain = {r["block_KiB"]: r["plain_GBps"] for r in res.get("blocks", [])}
+    sizes = sorted({r["block_KiB"] for r in res["gather"]})
+    rate = {(r["block_KiB"], r["ctas"], r["default"]): r["mapped_GBps"] for r in res["gather"]}
+    lines = ["| gather CTAs | " + " | ".join(f"{k} KiB GB/s | {k} KiB / plain" for k in sizes) + " |",
+             "|---|" + "---|---|" * len(sizes)]
+    for ctas, default in dict.fromkeys((r["ctas"], r["default"]) for r in res["gather"]):
+        cells = []
+        for k in sizes:
+            g = rate.get((k, ctas, default))
+            cells += ["-" if g is None else f"{g:.1f}", "-" if g is None or k not in plain else f"{g / plain[k]:.2f}"]
+        lines.append(f"| {ctas}{' (default)' if default else ''} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def streamed_table(res: dict) -> list[str]:
     lines = ["| batch | transfer | kernel | ms/step | H2D GB/s achieved | / pinned H2D ceiling |",
              "|---|---|---|---|---|---|"]
@@ -417,6 +475,12 @@ def main() -> None:
         res["blocks"] = block_batches(args.quick)
         print("## block batches, 256 MiB, host tier pinned -> device\n")
         print("\n".join(blocks_table(res)) + "\n", flush=True)
+        res["gather"] = gather_sweep()
+        if res["gather"]:
+            print("## mapped gather by CTA count (ACTIVEKV_GATHER_CTAS), 256 MiB, host tier pinned -> device\n")
+            print("\n".join(gather_table(res)) + "\n", flush=True)
+        else:
+            print("(no CUDA gather kernel in this build: copy_blocks_mapped uses index_select; no CTA sweep)\n")
 
     if "streamed" in want:
         res["streamed"] = [exact_decode(b, 131072, True, 16384, 256, tr, kn) for b in batches

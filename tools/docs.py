@@ -421,6 +421,8 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
         f"Target: 16 KiB blocks at 45 GB/s; measured {small['mapped_GBps']:.1f} GB/s mapped.", "",
         *bench_gpu.ceilings_table(gpu), "",
         *bench_gpu.blocks_table(gpu),
+        *(["", "copy_blocks_mapped by CTA count of its gather kernel (`ACTIVEKV_GATHER_CTAS`):", "",
+            *bench_gpu.gather_table(gpu)] if gpu.get("gather") else []),
     ]
 
 

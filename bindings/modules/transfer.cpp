@@ -18,6 +18,9 @@ PYBIND11_MODULE(_transfer, m) {
   m.def("copy_blocks_mapped", &activekv::copy_blocks_mapped, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
         py::arg("dst_ids"), py::arg("copy_stream"), py::call_guard<py::gil_scoped_release>(),
         "copy_blocks from pinned CPU src to CUDA dst: one gather kernel on copy_stream reads the blocks straight from "
-        "pinned host memory (unified addressing), the current stream waits on it, then scatters. Returns bytes "
-        "copied once queued. Same errors as copy_blocks_staged.");
+        "pinned host memory (unified addressing; 16-byte loads when a block is a multiple of 16 bytes), the current "
+        "stream waits on it, then scatters. Returns bytes copied once queued. Same errors as copy_blocks_staged.");
+  m.def("mapped_gather_ctas", &activekv::mapped_gather_ctas,
+        "CTAs of copy_blocks_mapped's CUDA gather kernel at the next call (ACTIVEKV_GATHER_CTAS, 1..1024, or the "
+        "default); 0 in a build without the kernel (copy_blocks_mapped then uses index_select).");
 }

@@ -33,4 +33,14 @@ CudaKvWriteFn& kv_write_slot() {
 CudaKvWriteFn cuda_kv_write() { return kv_write_slot(); }
 void register_cuda_kv_write(CudaKvWriteFn fn) { kv_write_slot() = fn; }
 
+namespace {
+CudaGatherFn& gather_slot() {
+  static CudaGatherFn fn = nullptr;
+  return fn;
+}
+}  // namespace
+
+CudaGatherFn cuda_gather() { return gather_slot(); }
+void register_cuda_gather(CudaGatherFn fn) { gather_slot() = fn; }
+
 }  // namespace activekv

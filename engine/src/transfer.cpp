@@ -1,6 +1,7 @@
 // Transfers (transfer.h): batched block copies between the host tier and the pool (plain, mapped and staged) and
 // the index tensors they take.
 #include <activekv/check.h>
+#include <activekv/cuda_kernel.h>
 #include <activekv/geometry.h>
 #include <activekv/transfer.h>
 
@@ -8,6 +9,8 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <cstdint>
+#include <cstdlib>
 #include <unordered_set>
 
 namespace activekv {
@@ -87,6 +90,16 @@ void finish_on_compute(const at::Tensor& dst, const std::vector<int64_t>& dst_id
 }
 }  // namespace
 
+int64_t mapped_gather_ctas() {
+  if (cuda_gather() == nullptr) return 0;
+  // ACTIVEKV_GATHER_CTAS (1..1024), read at each call so a benchmark can sweep it; unset or out of range: the default.
+  const char* v = std::getenv("ACTIVEKV_GATHER_CTAS");
+  if (v == nullptr) return kCudaGatherCtas;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  return end != v && *end == '\0' && x >= 1 && x <= 1024 ? x : kCudaGatherCtas;
+}
+
 int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                            const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream) {
   check_copy(src, dst, src_ids, dst_ids);
@@ -94,15 +107,29 @@ int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const s
   AKV_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous(), "src and dst must be contiguous");
   if (src_ids.empty()) return 0;
   const int64_t row_bytes = src.numel() / std::max<int64_t>(src.size(0), 1) * src.element_size();
-  // Words of 8 bytes when a block allows it (fewer, wider reads over the bus), else bytes.
-  const auto word = row_bytes % 8 == 0 ? at::kLong : at::kByte;
-  const int64_t row_words = row_bytes / (word == at::kLong ? 8 : 1);
-  // The host tier seen from the device: the same pinned pointer, no copy, no ownership (src outlives the kernel: the
-  // engine holds its bound host tier, a caller holds src).
-  auto mapped = at::from_blob(src.data_ptr(), {src.size(0), row_words}, [](void*) {},
-                              at::TensorOptions().dtype(word).device(dst.device()));
+  const auto n = static_cast<int64_t>(src_ids.size());
   at::Tensor gathered;
-  {
+  const int64_t ctas = mapped_gather_ctas();
+  if (ctas > 0 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src.data_ptr()) % 16 == 0) {
+    // The gather kernel (cuda_kernel.h CudaGatherArgs): 16-byte loads, many in flight, over the host tier's device
+    // mapping (the pinned pointer itself; src outlives the kernel: the engine holds its bound host tier, a caller
+    // holds src).
+    c10::StreamGuard guard(copy_stream);
+    gathered = at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
+    CudaGatherArgs args;
+    args.src = src.data_ptr();
+    args.ids = index_tensor(src_ids, dst.device());
+    args.dst = gathered;
+    args.row_bytes = row_bytes;
+    args.ctas = ctas;
+    cuda_gather()(args);
+  } else {
+    // Without the kernel, or rows not 16-byte aligned: index_select over the same mapping, in words of 8 bytes when a
+    // block allows it (fewer, wider reads over the bus), else bytes.
+    const auto word = row_bytes % 8 == 0 ? at::kLong : at::kByte;
+    const int64_t row_words = row_bytes / (word == at::kLong ? 8 : 1);
+    auto mapped = at::from_blob(src.data_ptr(), {src.size(0), row_words}, [](void*) {},
+                                at::TensorOptions().dtype(word).device(dst.device()));
     c10::StreamGuard guard(copy_stream);
     gathered = mapped.index_select(0, index_tensor(src_ids, dst.device()));  // reads host memory in the kernel
   }

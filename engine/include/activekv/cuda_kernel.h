@@ -128,4 +128,29 @@ using CudaKvWriteFn = void (*)(const CudaKvWriteArgs&);
 CudaKvWriteFn cuda_kv_write();
 void register_cuda_kv_write(CudaKvWriteFn fn);
 
+/// The mapped gather (transfer.h copy_blocks_mapped): rows of row_bytes gathered by id from pinned host memory, read
+/// through its device mapping (UVA), into a contiguous device buffer, by one launch on the current stream. 16-byte
+/// loads, coalesced (consecutive threads read consecutive 16 bytes of a row), several loads in flight per thread
+/// before its stores: a read from an SM crosses the bus at its latency, so the bus is filled only by many outstanding
+/// requests. `ctas` CTAs take the rows' 16-byte words in a grid-stride loop; fewer CTAs leave more SMs to the compute
+/// stream. Copies only: the bytes equal index_select's.
+struct CudaGatherArgs {
+  const void* src = nullptr;  ///< the mapped host rows, [>= max(ids) + 1, row_bytes], 16-byte aligned
+  at::Tensor ids;             ///< int64 [n] on the device, each in range (the caller checked them)
+  at::Tensor dst;             ///< uint8 [n, row_bytes] contiguous on the device, 16-byte aligned
+  int64_t row_bytes = 0;      ///< a multiple of 16
+  int64_t ctas = 0;           ///< CTAs of the launch, >= 1
+};
+
+using CudaGatherFn = void (*)(const CudaGatherArgs&);
+
+/// CTAs of the mapped gather unless ACTIVEKV_GATHER_CTAS says otherwise (transfer.cpp): a quarter of an H100/H200's
+/// 132 SMs, many more requests in flight than the bus's bandwidth-delay product (tens of KiB at a few microseconds),
+/// since an SM has only so many outstanding misses; tools/bench_gpu.py sweeps it.
+constexpr int64_t kCudaGatherCtas = 32;
+
+/// The registered mapped gather, or nullptr in a build without CUDA (copy_blocks_mapped then uses index_select).
+CudaGatherFn cuda_gather();
+void register_cuda_gather(CudaGatherFn fn);
+
 }  // namespace activekv

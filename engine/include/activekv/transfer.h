@@ -49,10 +49,17 @@ int64_t copy_blocks_staged(const at::Tensor& src, const at::Tensor& dst, const s
 
 /// copy_blocks from a pinned CPU `src` to a CUDA `dst` with the gather on the device: with unified virtual addressing
 /// a pinned host pointer is valid in device code, so one gather kernel on `copy_stream` reads the scattered blocks
-/// straight from host memory over the bus (8-byte words) into a device buffer; the compute stream waits on an event
-/// and scatters into dst. No CPU gather and no pinned staging. Same ordering rules as copy_blocks_staged.
+/// straight from host memory over the bus into a device buffer; the compute stream waits on an event and scatters into
+/// dst. No CPU gather and no pinned staging. Same ordering rules as copy_blocks_staged. The gather is the CUDA gather
+/// kernel (cuda_kernel.h CudaGatherArgs: 16-byte loads, mapped_gather_ctas() CTAs) when the build has it and a block
+/// is a multiple of 16 bytes at a 16-byte aligned src; otherwise index_select over the mapping (8-byte words when a
+/// block is a multiple of 8 bytes, else bytes). Either way the bytes are src's.
 /// @throws as copy_blocks_staged.
 int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                            const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream);
+
+/// CTAs the next copy_blocks_mapped gather kernel launches: ACTIVEKV_GATHER_CTAS (1..1024, read at each call) or
+/// cuda_kernel.h's kCudaGatherCtas; 0 in a build without the CUDA gather kernel (copy_blocks_mapped uses index_select).
+int64_t mapped_gather_ctas();
 
 }  // namespace activekv
