@@ -1,6 +1,7 @@
 """GPU benchmark: transfers and decode attention on a CUDA device, each ceiling re-measured in the same run.
 
-    python -m tools.bench_gpu [--out DIR] [--quick] [--sections ...] [--split-sweep]
+    python -m tools.bench_gpu [--out DIR] [--quick] [--sections ...] [--split-sweep] [--drift A]
+                              [--compressed-breakdown [BATCHxCONTEXT[:QUERIES] ...]]
 
 Prints markdown tables and writes `gpu_bench.json` (every figure, with the command, date, device and versions) and
 `gpu_decode.png` (time per decode step against context length) under --out. Committed as docs/data/bench_gpu.json,
@@ -24,9 +25,18 @@ Sections (--sections picks some; the JSON then holds only those):
    batch); the ATen tile path beside them; against scaled_dot_product_attention (flash) on the same KV in
    [B, H, T, D] layout; KV read rate of each;
 5. compressed: compressed decode (budget 2048 tokens) from a pinned host tier, against the same SDPA with the full
-   context resident.
+   context resident, with two kinds of queries: "random" rotates 4 random queries; "drift" gives each call a new query
+   from an AR(1) process per query head (q_t = a q_{t-1} + sqrt(1 - a^2) eps_t, a = 0.95 or --drift), generated
+   before timing. Per step: union blocks per row, blocks admitted, evicted and hit (engine counters), admitted over
+   the union (batch x union per row) and the pool (KVH x (budget / 16 - 3) + 3 blocks per row) over the union; and
+   the compressed target (batch 16, 128k, drifting queries: at most 2x SDPA flash's time, or admitted at most 10% of the
+   union).
 --split-sweep also times the decode batch's kernels in place at each ACTIVEKV_CUDA_SPLIT (16-token sub-tiles per work
 item) and prints them (not kept in the JSON).
+--compressed-breakdown profiles compressed decode (torch.profiler, CPU and CUDA activities) at the configurations it
+names (default 16x32k and 16x128k, random queries), prints the top 15 host and device costs, writes them to
+compressed_breakdown_b*_*k_*.txt under --out and a summary (host and device time per step, pool over the union,
+admitted / evicted / hit per step) to the JSON's "compressed_breakdown".
 """
 
 from __future__ import annotations
@@ -303,24 +313,195 @@ def split_sweep(batches, ctxs) -> list[dict]:
     return rows
 
 
-def compressed_decode(batch: int, ctx: int, budget: int, tile_blocks: int, kernel: str = "native") -> dict:
+DRIFT_A = 0.95  # AR(1) coefficient of the drifting queries: consecutive queries' correlation per component
+
+
+def query_steps(n: int, batch: int, kind: str, a: float = DRIFT_A, device: str = "cuda") -> torch.Tensor:
+    """Decode queries for `n` steps, [n, batch, H, D] bfloat16, generated before any timing.
+
+    kind "random": independent standard normal queries; "drift": per query head and component an AR(1) process
+    q_t = a * q_{t-1} + sqrt(1 - a^2) * eps_t (eps_t standard normal), started from a standard normal q_0, so every
+    step's query is standard normal and consecutive queries correlate with coefficient a (a^k at lag k)."""
+    if kind not in ("random", "drift"):
+        raise ValueError(f"queries must be 'random' or 'drift', got {kind!r}")
+    if not 0.0 <= a < 1.0:
+        raise ValueError(f"the drift coefficient must be in [0, 1), got {a}")
+    eps = torch.randn(n, batch, H, D, device=device)
+    if kind == "random":
+        return eps.to(DT)
+    q = torch.empty_like(eps)
+    q[0] = eps[0]
+    for t in range(1, n):
+        q[t] = a * q[t - 1] + (1.0 - a * a) ** 0.5 * eps[t]
+    return q.to(DT)
+
+
+COUNTERS = ("forward_calls", "compressed_rows", "union_blocks", "selected_blocks", "blocks_admitted", "blocks_evicted",
+            "blocks_hit")
+
+
+def counters(eng) -> dict:
+    snap = eng.snapshot()
+    return {k: snap[k] for k in COUNTERS}
+
+
+def compressed_setup(batch: int, ctx: int, budget: int, tile_blocks: int, queries: str, steps: int,
+                     kernel: str = "native", a: float = DRIFT_A):
+    """An engine in compressed mode over a pinned host tier of `batch` rows of `ctx` random tokens (filled through
+    update_kv, which also writes the per-block key metadata); returns (engine, step, pool blocks, distinct queries),
+    step() being one Engine.forward of the whole batch's decode plan with the next query. "random" rotates 4 random
+    queries; "drift" takes `steps` AR(1) queries in turn (one per call when `steps` covers the calls). The pool holds
+    one worst-case union per row: KVH * (budget / BS - 3) + 3 blocks (1 sink, 2 recent)."""
     per_row = KVH * (budget // BS - 3) + 3
-    eng = make_engine(max(per_row * batch, tile_blocks), tile_blocks, mode="compressed", budget=budget, kernel=kernel)
+    pool_blocks = max(per_row * batch, tile_blocks)
+    eng = make_engine(pool_blocks, tile_blocks, mode="compressed", budget=budget, kernel=kernel)
     kv = torch.empty((batch * ctx // BS, KVH, BS, 2 * D), dtype=DT).pin_memory()
     chunk = 1 << 14
     for start in range(0, batch * ctx, chunk):  # KV updates: fill the host tier and the per-block key metadata
         k = torch.randn(chunk, KVH, D, dtype=DT, device="cuda")
         eng.update_kv(0, k, torch.randn_like(k), kv, torch.arange(start, start + chunk, device="cuda"))
     plan = decode_plan(eng, batch, ctx)
-    qs = [torch.randn(batch, H, D, dtype=DT, device="cuda") for _ in range(4)]
+    qs = query_steps(4 if queries == "random" else steps, batch, queries, a)
     out = torch.empty_like(qs[0])
-    it = iter(range(1 << 30))
-    ms = event_ms(lambda: eng.forward(0, plan, qs[next(it) % 4], kv, out, D ** -0.5), calls=4, reps=3, warmup=4)
-    snap = eng.snapshot()
-    steps = max(1, snap["forward_calls"])
-    return {"batch": batch, "context": ctx, "kernel": kernel, "ms": ms, "union_blocks_per_row":
-            snap["union_blocks"] / max(1, snap["compressed_rows"]),
-            "admitted_per_step": snap["blocks_admitted"] / steps}
+    it = itertools.count()
+
+    def step():
+        eng.forward(0, plan, qs[next(it) % qs.shape[0]], kv, out, D ** -0.5)
+
+    return eng, step, pool_blocks, qs.shape[0]
+
+
+def compressed_decode(batch: int, ctx: int, budget: int, tile_blocks: int, kernel: str = "native",
+                      queries: str = "random", a: float = DRIFT_A) -> dict:
+    """Compressed decode: `warmup` calls, then CUDA events over `reps` runs of `calls` back-to-back calls (the timed
+    steps), then the kernels' device time of `calls` more. Per-step counters come from the engine's snapshot: over
+    every call before the device timing (admitted_per_step, union_blocks_per_row, as always reported) and over the
+    timed steps only (*_timed, the steady state once the pool is warm)."""
+    warmup, calls, reps = 4, 4, 3
+    eng, step, pool_blocks, distinct = compressed_setup(batch, ctx, budget, tile_blocks, queries,
+                                                        warmup + reps * calls + 1 + calls, kernel, a)
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    c0 = counters(eng)
+    ms = event_ms(step, calls=calls, reps=reps, warmup=0)
+    c1 = counters(eng)
+    kms = device_ms(step, calls)
+    timed = {k: c1[k] - c0[k] for k in COUNTERS}
+    steps, tsteps = max(1, c1["forward_calls"]), max(1, timed["forward_calls"])
+    union_timed = timed["union_blocks"] / max(1, timed["compressed_rows"])
+    admitted_timed = timed["blocks_admitted"] / tsteps
+    return {"batch": batch, "context": ctx, "kernel": kernel, "ms": ms,
+            "union_blocks_per_row": c1["union_blocks"] / max(1, c1["compressed_rows"]),
+            "admitted_per_step": c1["blocks_admitted"] / steps,
+            "queries": queries, "drift_a": a if queries == "drift" else None, "distinct_queries": distinct,
+            "kernel_ms": kms, "pool_blocks": pool_blocks,
+            "evicted_per_step": c1["blocks_evicted"] / steps, "hit_per_step": c1["blocks_hit"] / steps,
+            "timed_steps": timed["forward_calls"],
+            "union_blocks_per_row_timed": union_timed,
+            "selected_blocks_per_row_timed": timed["selected_blocks"] / max(1, timed["compressed_rows"]),
+            "admitted_per_step_timed": admitted_timed,
+            "evicted_per_step_timed": timed["blocks_evicted"] / tsteps,
+            "hit_per_step_timed": timed["blocks_hit"] / tsteps,
+            "admitted_union_ratio": admitted_timed / max(1e-9, batch * union_timed),
+            "pool_over_batch_union": pool_blocks / max(1e-9, batch * union_timed)}
+
+
+def parse_breakdown(spec: str) -> tuple[int, int, str]:
+    """'BATCHxCONTEXT[:QUERIES]' (context in tokens or with a k suffix, queries random or drift) -> (batch, context,
+    queries); e.g. '16x32k', '16x131072:drift'."""
+    shape, _, queries = spec.partition(":")
+    queries = queries or "random"
+    try:
+        b, c = shape.lower().split("x")
+        batch, ctx = int(b), int(c[:-1]) * 1024 if c.endswith("k") else int(c)
+    except ValueError:
+        msg = f"expected BATCHxCONTEXT[:random|drift] such as 16x32k, got {spec!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if batch < 1 or ctx < BS or ctx % BS or queries not in ("random", "drift"):
+        raise argparse.ArgumentTypeError(f"expected a batch >= 1, a context that is a multiple of {BS} and queries "
+                                         f"random or drift, got {spec!r}")
+    return batch, ctx, queries
+
+
+BREAKDOWN_DEFAULT = ("16x32k", "16x128k")
+
+
+def compressed_breakdown(batch: int, ctx: int, queries: str, out: Path, calls: int = 4, top: int = 15,
+                         a: float = DRIFT_A) -> dict:
+    """torch.profiler (CPU and CUDA activities) around `calls` compressed forwards after 4 warm-up calls, each inside
+    a record_function range "bench::engine_forward" (its self CPU time is the engine's host work outside ATen ops and
+    its own named ranges). Writes the top `top` rows by self CPU time and by self CUDA time to a text file under `out`;
+    returns a summary (per step: wall time, profiled device time, counters) for the JSON."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    warmup = 4
+    eng, step, pool_blocks, _ = compressed_setup(batch, ctx, 2048, 64, queries, warmup + 2 * calls, a=a)
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    c0 = counters(eng)
+    t0 = time.perf_counter()
+    for _ in range(calls):  # unprofiled wall time of the same kind of steps, for scale
+        step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / calls
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            with record_function("bench::engine_forward"):
+                step()
+        torch.cuda.synchronize()
+    c1 = counters(eng)
+    d = {k: (c1[k] - c0[k]) / (2 * calls) for k in COUNTERS if k != "forward_calls"}
+    avgs = prof.key_averages()
+
+    def self_dev(e) -> float:
+        v = getattr(e, "self_device_time_total", None)
+        return float(e.self_cuda_time_total if v is None else v)
+
+    name = f"compressed_breakdown_b{batch}_{ctx // 1024}k_{queries}.txt"
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def on_device(e) -> bool:  # kernels and copies; not the record_function ranges kineto mirrors on the GPU
+        return e.device_type == cuda and not getattr(e, "is_user_annotation", False)
+
+    device_us = sum(e.time_range.elapsed_us() for e in prof.events() if on_device(e))
+    fwd = [e for e in prof.events() if e.name == "bench::engine_forward" and e.device_type == cpu]
+    union = d["union_blocks"] * 2 * calls / max(1, c1["compressed_rows"] - c0["compressed_rows"])
+    summary = {"batch": batch, "context": ctx, "queries": queries, "drift_a": a if queries == "drift" else None,
+               "profiled_steps": calls,
+               "wall_ms_per_step": wall_ms,
+               "forward_cpu_ms_per_step": sum(e.cpu_time_total for e in fwd) / 1e3 / calls,
+               "forward_self_cpu_ms_per_step": sum(e.self_cpu_time_total for e in fwd) / 1e3 / calls,
+               "device_ms_per_step": device_us / 1e3 / calls,
+               "pool_blocks": pool_blocks, "union_blocks_per_row": union,
+               "pool_over_batch_union": pool_blocks / max(1e-9, batch * union),
+               "admitted_per_step": d["blocks_admitted"], "evicted_per_step": d["blocks_evicted"],
+               "hit_per_step": d["blocks_hit"],
+               "top_self_cpu": [{"name": e.key, "calls": e.count, "self_cpu_ms_per_step": e.self_cpu_time_total
+                                 / 1e3 / calls} for e in sorted(avgs, key=lambda e: -e.self_cpu_time_total)[:5]],
+               "top_self_cuda": [{"name": e.key, "calls": e.count, "self_cuda_ms_per_step": self_dev(e) / 1e3 / calls}
+                                 for e in sorted(filter(on_device, avgs), key=lambda e: -self_dev(e))[:5]],
+               "file": name}
+    head = (f"compressed decode, batch {batch}, context {ctx}, {queries} queries, budget 2048: {calls} profiled "
+            f"Engine.forward calls after {warmup} warm-up calls and {calls} unprofiled ones.\n"
+            f"unprofiled wall {wall_ms:.2f} ms/step; profiled: host in Engine.forward "
+            f"{summary['forward_cpu_ms_per_step']:.2f} ms/step, of it outside ATen ops and named ranges "
+            f"{summary['forward_self_cpu_ms_per_step']:.2f}; device (kernels and copies) "
+            f"{summary['device_ms_per_step']:.2f} ms/step.\n"
+            f"pool {pool_blocks} blocks = {summary['pool_over_batch_union']:.2f} x batch x union "
+            f"({union:.0f} blocks/row); per step (unprofiled and profiled calls): admitted {d['blocks_admitted']:.0f}, "
+            f"evicted {d['blocks_evicted']:.0f}, hit {d['blocks_hit']:.0f}.\n"
+            "bench::engine_forward's self CPU time is the engine's host work outside ATen ops and its named ranges "
+            "(activekv::select_blocks, activekv::quest_scores_native); the profiler adds its own overhead on the "
+            "host.\n")
+    text = (head + f"\n## top {top} by self CPU time\n\n"
+            + avgs.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
+            + f"\n\n## top {top} by self CUDA time\n\n"
+            + avgs.table(sort_by="self_cuda_time_total", row_limit=top, max_name_column_width=60) + "\n")
+    (out / name).write_text(text)
+    print(text, flush=True)
+    return summary
 
 
 def ceilings_table(res: dict) -> list[str]:
@@ -391,16 +572,51 @@ def sweep_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _cell(r: dict, key: str, fmt: str) -> str:
+    return "-" if r.get(key) is None else format(r[key], fmt)
+
+
 def compressed_table(res: dict) -> list[str]:
-    lines = ["| batch | context | compressed ms | union blocks/row | admitted blocks/step | SDPA ms | "
+    """One row per (batch, context, queries). "all calls" counts every call up to the timed ones (the cold pool's first
+    admissions included); "timed" counts the timed steps only; union = batch x union blocks per row."""
+    lines = ["| batch | context | queries | compressed ms | kernel ms | union blocks/row | admitted blocks/step, all "
+             "calls | timed: admitted/step | admitted / union | evicted/step | hit/step | pool / union | SDPA ms | "
              "SDPA / compressed |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     sd = {(s["batch"], s["context"]): s["ms"] for s in res["sdpa"]}
     for r in res["compressed"]:
         s = sd[(r["batch"], r["context"])]
-        lines.append(f"| {r['batch']} | {r['context'] // 1024}k | {r['ms']:.2f} | {r['union_blocks_per_row']:.0f} | "
-                     f"{r['admitted_per_step']:.0f} | {s:.3f} | {s / r['ms']:.3f} |")
+        queries = r.get("queries", "random") + (f" (a={r['drift_a']})" if r.get("drift_a") is not None else "")
+        lines.append(f"| {r['batch']} | {r['context'] // 1024}k | {queries} | {r['ms']:.2f} | "
+                     f"{_cell(r, 'kernel_ms', '.2f')} | {r['union_blocks_per_row']:.0f} | "
+                     f"{r['admitted_per_step']:.0f} | {_cell(r, 'admitted_per_step_timed', '.0f')} | "
+                     f"{_cell(r, 'admitted_union_ratio', '.3f')} | {_cell(r, 'evicted_per_step_timed', '.0f')} | "
+                     f"{_cell(r, 'hit_per_step_timed', '.0f')} | {_cell(r, 'pool_over_batch_union', '.2f')} | "
+                     f"{s:.3f} | {s / r['ms']:.3f} |")
     return lines
+
+
+TARGET_BATCH, TARGET_CONTEXT, TARGET_SDPA_FACTOR, TARGET_ADMITTED_RATIO = 16, 131072, 2.0, 0.10
+
+
+def compressed_targets(res: dict) -> list[str]:
+    """The compressed target, checked on the drifting-query row at batch 16, 128k: at most 2x SDPA flash's time (the
+    full context resident), or admitted blocks per timed step at most 10% of the union (batch x union blocks per row).
+    """
+    row = next((r for r in res.get("compressed", []) if r.get("queries") == "drift"
+                and (r["batch"], r["context"]) == (TARGET_BATCH, TARGET_CONTEXT)), None)
+    head = (f"Target: compressed decode at batch {TARGET_BATCH}, {TARGET_CONTEXT // 1024}k, drifting queries, at most "
+            f"{TARGET_SDPA_FACTOR:g}x SDPA flash's time, or admitted blocks per step at most "
+            f"{TARGET_ADMITTED_RATIO:.0%} of the union")
+    if row is None:
+        return [head + ": not measured (no drifting-query row at that batch and context)."]
+    sdpa = next(s["ms"] for s in res["sdpa"] if (s["batch"], s["context"]) == (TARGET_BATCH, TARGET_CONTEXT))
+    time_ok = row["ms"] <= TARGET_SDPA_FACTOR * sdpa
+    ratio_ok = row["admitted_union_ratio"] <= TARGET_ADMITTED_RATIO
+    return [head + f": {row['ms']:.2f} ms against {TARGET_SDPA_FACTOR:g} x {sdpa:.3f} = "
+            f"{TARGET_SDPA_FACTOR * sdpa:.3f} ms ({'met' if time_ok else 'not met'}); admitted / union "
+            f"{row['admitted_union_ratio']:.3f} ({'met' if ratio_ok else 'not met'}); "
+            f"target {'met' if time_ok or ratio_ok else 'not met'}."]
 
 
 PLOT_SERIES = (("resident", "ActiveKV exact, in place on the device"),
@@ -408,7 +624,19 @@ PLOT_SERIES = (("resident", "ActiveKV exact, in place on the device"),
                ("resident_aten", "ActiveKV exact, pool-resident, ATen path"),
                ("streamed", "ActiveKV exact, streamed from a pinned host tier"),
                ("compressed", "ActiveKV compressed 2048, pinned host tier"),
-               ("sdpa", "SDPA flash, resident"))
+               ("sdpa", "SDPA flash, resident"),
+               ("compressed_drift", "ActiveKV compressed 2048, pinned host tier, drifting queries"))
+
+
+def series_rows(res: dict, key: str) -> list[dict]:
+    """The rows a plot series draws: "compressed" the random-query rows, "compressed_drift" the drifting ones, the
+    streamed series its mapped transfer with the CUDA kernel."""
+    if key in ("compressed", "compressed_drift"):
+        want = "drift" if key == "compressed_drift" else "random"
+        return [r for r in res.get("compressed", []) if r.get("queries", "random") == want]
+    if key == "streamed":
+        return [r for r in res.get(key, []) if (r["transfer"], r["kernel"]) == ("mapped", "native")]
+    return res.get(key, [])
 
 
 def plot(res: dict, path: Path) -> None:
@@ -422,12 +650,13 @@ def plot(res: dict, path: Path) -> None:
 
     batches = sorted({r["batch"] for r in res["resident"]})
     fig, axes = plt.subplots(1, len(batches), figsize=(9, 4.2), sharey=True)
-    markers = "osxD^v"
+    markers = "osxD^v<"
     for ax, batch in zip(axes, batches, strict=True):
         contexts: set[int] = set()
         for (key, label), marker in zip(PLOT_SERIES, markers, strict=False):
-            pts = sorted((r["context"], r["ms"]) for r in res.get(key, []) if r["batch"] == batch
-                         and (key != "streamed" or (r["transfer"], r["kernel"]) == ("mapped", "native")))
+            pts = sorted((r["context"], r["ms"]) for r in series_rows(res, key) if r["batch"] == batch)
+            if not pts and key == "compressed_drift":
+                continue
             contexts.update(p[0] for p in pts)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=label)
         if "ceilings" in res and contexts:  # the floor: the step's K and V read once at the device copy rate
@@ -458,7 +687,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--split-sweep", action="store_true", help="also time the decode batch at each split")
+    ap.add_argument("--drift", type=float, default=DRIFT_A, metavar="A",
+                    help=f"AR(1) coefficient of the compressed section's drifting queries (default {DRIFT_A})")
+    ap.add_argument("--compressed-breakdown", nargs="*", type=parse_breakdown, metavar="BATCHxCONTEXT[:QUERIES]",
+                    help="profile compressed decode (torch.profiler, CPU and CUDA) at these configurations (default "
+                         + " and ".join(BREAKDOWN_DEFAULT) + ", random queries); print and write the top host and "
+                         "device costs under --out")
     args = ap.parse_args()
+    if args.compressed_breakdown == []:
+        args.compressed_breakdown = [parse_breakdown(b) for b in BREAKDOWN_DEFAULT]
+    if not 0.0 <= args.drift < 1.0:
+        ap.error(f"--drift must be in [0, 1), got {args.drift}")
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -515,9 +754,24 @@ def main() -> None:
         print("\n".join(sweep_table(rows)) + "\n", flush=True)
 
     if "compressed" in want:
-        res["compressed"] = [compressed_decode(b, c, 2048, 64) for b in batches for c in ctxs]
+        res["compressed"] = []
+        for b in batches:
+            for c in ctxs:
+                for queries in ("random", "drift"):
+                    res["compressed"].append(compressed_decode(b, c, 2048, 64, queries=queries, a=args.drift))
+                    torch.cuda.empty_cache()
         print("## compressed decode (budget 2048), pinned host tier, vs SDPA flash with the full context resident\n")
-        print("\n".join(compressed_table(res)))
+        print("queries: random rotates 4 random queries; drift gives each call a new query, an AR(1) process "
+              f"(a = {args.drift}) per query head. Pool = {KVH} x (2048 / {BS} - 3) + 3 blocks per row; "
+              "pool / union = pool blocks over batch x union blocks per row (timed steps).\n")
+        print("\n".join(compressed_table(res)) + "\n")
+        print("\n".join(compressed_targets(res)) + "\n", flush=True)
+    if args.compressed_breakdown:
+        print("## compressed decode breakdown (torch.profiler)\n")
+        res["compressed_breakdown"] = []
+        for b, c, queries in args.compressed_breakdown:
+            res["compressed_breakdown"].append(compressed_breakdown(b, c, queries, args.out, a=args.drift))
+            torch.cuda.empty_cache()
     (args.out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
     if want == set(SECTIONS):
         plot(res, args.out / "gpu_decode.png")

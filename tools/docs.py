@@ -385,7 +385,9 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
                 if (r["transfer"], r["kernel"]) == ("mapped", "native")]
     small = next(r for r in gpu["blocks"] if r["block_KiB"] == 16)
     longest = max(r["context"] for r in gpu["compressed"])
-    comp1 = next(r for r in gpu["compressed"] if r["batch"] == 1 and r["context"] == longest)
+    comp1 = next(r for r in gpu["compressed"] if r["batch"] == 1 and r["context"] == longest
+                 and r.get("queries", "random") == "random")
+    drift = next((r for r in gpu["compressed"] if r.get("queries") == "drift"), None)
     return [
         "## GPU, engine level", "",
         "**There is no GPU on the development machine.** These figures come from one run on "
@@ -411,12 +413,20 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
         "host tier, pool of 16k tokens, tile of 256 blocks: every block crosses the bus every step). Target: 90% of "
         f"the pinned bus; measured {_range(streamed, '{:.2f}')} of it with the mapped gather and the CUDA kernel.", "",
         *bench_gpu.streamed_table(gpu), "",
-        f"**Compressed decode** (budget 2048 tokens, pinned host tier, a fresh random query each step) against SDPA "
+        f"**Compressed decode** (budget 2048 tokens, pinned host tier, 4 random queries in turn"
+        + (f"; and drifting queries, a new one each step from an AR(1) process per head, a = {drift['drift_a']}"
+           if drift else "") + ") against SDPA "
         f"flash with the whole context resident: {longest // 1024}k tokens served from host memory at "
         f"{comp1['ms']:.1f} ms per step and layer (batch 1), keeping about {comp1['union_blocks_per_row']:.0f} of "
         f"{longest // 16} blocks per row on the device. Random queries make the union of the heads' selections large; "
-        "real decoding queries change slowly (not measured here).", "",
+        + ("the drift rows show queries that change slowly, as decoding's do." if drift else
+           "real decoding queries change slowly (not measured in this data).")
+        + " Admitted blocks/step, all calls, counts the first calls into a cold pool too; the columns from timed: "
+        "admitted/step to pool / union count the timed steps only: admitted / union is the blocks admitted per step "
+        "over batch x union blocks per row, pool / union the pool's blocks (8 x 125 + 3 per row) over the same; - "
+        "where this data has no such figure.", "",
         *bench_gpu.compressed_table(gpu), "",
+        *bench_gpu.compressed_targets(gpu), "",
         "**Ceilings and block batches** (256 MiB of scattered blocks from a pinned host tier into device memory). "
         f"Target: 16 KiB blocks at 45 GB/s; measured {small['mapped_GBps']:.1f} GB/s mapped.", "",
         *bench_gpu.ceilings_table(gpu), "",
@@ -546,7 +556,8 @@ def readme_results() -> str:
     cpu, e2e, gpu = load("bench_cpu.json"), load("bench_e2e.json"), load("bench_gpu.json")
     h = cpu_headlines(cpu)
     e2e_default = e2e_ranges(e2e)
-    comp = max((r for r in gpu["compressed"] if r["batch"] == 1), key=lambda r: r["context"])
+    comp = max((r for r in gpu["compressed"] if r["batch"] == 1 and r.get("queries", "random") == "random"),
+               key=lambda r: r["context"])
     stream = next(r for r in gpu["streamed"]
                   if r["batch"] == 1 and (r["transfer"], r["kernel"]) == ("mapped", "native"))
     sdpa = {(r["batch"], r["context"]): r for r in gpu["sdpa"]}

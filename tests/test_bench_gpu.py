@@ -1,0 +1,226 @@
+"""The GPU engine benchmark's CPU-side parts (`tools/bench_gpu.py`): the compressed section's queries (random, and
+drifting as an AR(1) process), its table, target line and plot series on the committed data plus made-up drift rows,
+the breakdown's configuration parser, and the CLI's --help and argument checks. No GPU: the timed parts run on the
+device (`make gpu-check`); no figure here is a speed."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tools import bench_gpu
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def lag1_correlation(q: torch.Tensor) -> float:
+    x = q.float().flatten(1)
+    return torch.corrcoef(torch.stack([x[:-1].flatten(), x[1:].flatten()]))[0, 1].item()
+
+
+def test_drifting_queries_are_ar1_with_unit_variance_and_random_ones_are_independent() -> None:
+    torch.manual_seed(0)
+    drift = bench_gpu.query_steps(200, 2, "drift", a=0.95, device="cpu")
+    assert drift.shape == (200, 2, bench_gpu.H, bench_gpu.D) and drift.dtype == bench_gpu.DT
+    assert lag1_correlation(drift) == pytest.approx(0.95, abs=0.01)
+    assert drift.float().var().item() == pytest.approx(1.0, abs=0.1)  # stationary: every step standard normal
+    assert not torch.equal(drift[1], drift[0])  # each step a new query
+    rand = bench_gpu.query_steps(200, 2, "random", device="cpu")
+    assert abs(lag1_correlation(rand)) < 0.01
+    assert rand.float().var().item() == pytest.approx(1.0, abs=0.05)
+
+
+@pytest.mark.parametrize(("kind", "a", "match"), [("walk", 0.9, "queries must be"), ("drift", 1.0, "in \\[0, 1\\)"),
+                                                  ("drift", -0.1, "in \\[0, 1\\)")])
+def test_query_steps_refuses_an_unknown_kind_or_coefficient(kind: str, a: float, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        bench_gpu.query_steps(4, 1, kind, a=a, device="cpu")
+
+
+def test_breakdown_configurations_parse_with_tokens_or_k_and_optional_queries() -> None:
+    assert bench_gpu.parse_breakdown("16x32k") == (16, 32768, "random")
+    assert bench_gpu.parse_breakdown("1X131072:drift") == (1, 131072, "drift")
+    assert [bench_gpu.parse_breakdown(s) for s in bench_gpu.BREAKDOWN_DEFAULT] == [(16, 32768, "random"),
+                                                                                   (16, 131072, "random")]
+    for bad in ("16", "16x", "x32k", "16x32k:walk", "0x32k", "16x100"):
+        with pytest.raises(argparse.ArgumentTypeError, match="got"):
+            bench_gpu.parse_breakdown(bad)
+
+
+def with_drift_rows(ms_128k_b16: float, admitted_ratio: float) -> dict:
+    """The committed GPU data with a drifting-query row (every new key filled) after each random one."""
+    res = json.loads((REPO_ROOT / "docs" / "data" / "bench_gpu.json").read_text())
+    rows = []
+    for r in res["compressed"]:
+        d = copy.deepcopy(r)
+        union = r["union_blocks_per_row"]
+        d.update(queries="drift", drift_a=0.95, distinct_queries=21, kernel_ms=0.5, pool_blocks=1003 * r["batch"],
+                 evicted_per_step=10.0, hit_per_step=union * r["batch"], timed_steps=12,
+                 union_blocks_per_row_timed=union, selected_blocks_per_row_timed=8 * 125 + 3,
+                 admitted_per_step_timed=admitted_ratio * r["batch"] * union, evicted_per_step_timed=5.0,
+                 hit_per_step_timed=union * r["batch"], admitted_union_ratio=admitted_ratio,
+                 pool_over_batch_union=1003 / union)
+        if (r["batch"], r["context"]) == (16, 131072):
+            d["ms"] = ms_128k_b16
+        rows += [r, d]
+    res["compressed"] = rows
+    return res
+
+
+def test_compressed_table_has_a_row_per_cell_and_query_kind_and_dashes_what_older_data_lacks() -> None:
+    res = with_drift_rows(3.0, 0.05)
+    lines = bench_gpu.compressed_table(res)
+    header, rule, body = lines[0], lines[1], lines[2:]
+    columns = header.count("|") - 1
+    assert rule.count("---") == columns and all(line.count("|") - 1 == columns for line in body)
+    assert len(body) == len(res["compressed"]) == 12
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in body]
+    names = [c.strip() for c in header.strip("|").split("|")]
+    old, new = dict(zip(names, cells[-2], strict=True)), dict(zip(names, cells[-1], strict=True))
+    assert (old["batch"], old["context"], old["queries"]) == ("16", "128k", "random")
+    assert old["admitted / union"] == old["evicted/step"] == old["kernel ms"] == "-"  # the committed data's rows
+    assert new["queries"] == "drift (a=0.95)" and new["admitted / union"] == "0.050"
+    assert new["compressed ms"] == "3.00" and float(new["SDPA / compressed"]) == pytest.approx(2.176 / 3.0, abs=1e-3)
+    assert new["pool / union"] == f"{1003 / res['compressed'][-1]['union_blocks_per_row']:.2f}"
+
+
+@pytest.mark.parametrize(("ms", "ratio", "time_met", "ratio_met"), [(3.0, 0.5, True, False), (30.0, 0.05, False, True),
+                                                                    (30.0, 0.5, False, False)])
+def test_compressed_target_is_2x_sdpa_or_a_tenth_of_the_union_at_batch_16_128k_drifting(
+        ms: float, ratio: float, time_met: bool, ratio_met: bool) -> None:
+    res = with_drift_rows(ms, ratio)
+    sdpa = next(s["ms"] for s in res["sdpa"] if (s["batch"], s["context"]) == (16, 131072))
+    [line] = bench_gpu.compressed_targets(res)
+    assert f"{ms:.2f} ms against 2 x {sdpa:.3f}" in line
+    assert f"({'met' if time_met else 'not met'}); admitted / union {ratio:.3f} ({'met' if ratio_met else 'not met'})" \
+        in line
+    assert line.endswith(f"target {'met' if time_met or ratio_met else 'not met'}.")
+
+
+def test_compressed_target_says_not_measured_without_a_drift_row() -> None:
+    res = json.loads((REPO_ROOT / "docs" / "data" / "bench_gpu.json").read_text())
+    [line] = bench_gpu.compressed_targets(res)
+    assert line.endswith("not measured (no drifting-query row at that batch and context).")
+
+
+def test_plot_series_split_random_and_drifting_rows_and_the_plot_draws(tmp_path: Path) -> None:
+    res = with_drift_rows(3.0, 0.05)
+    rand, drift = bench_gpu.series_rows(res, "compressed"), bench_gpu.series_rows(res, "compressed_drift")
+    assert len(rand) == len(drift) == 6
+    assert {r.get("queries", "random") for r in rand} == {"random"} and {r["queries"] for r in drift} == {"drift"}
+    assert all((r["transfer"], r["kernel"]) == ("mapped", "native") for r in bench_gpu.series_rows(res, "streamed"))
+    bench_gpu.plot(res, tmp_path / "gpu_decode.png")
+    assert (tmp_path / "gpu_decode.png").read_bytes().startswith(b"\x89PNG")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tools.bench_gpu", *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_help_works_without_a_gpu_and_names_the_new_options() -> None:
+    proc = run_cli("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "--compressed-breakdown" in proc.stdout and "--drift" in proc.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [(("--drift", "1.0"), "--drift must be in [0, 1)"),
+                                               (("--compressed-breakdown", "16x32k:walk"), "expected a batch")])
+def test_cli_refuses_bad_arguments_before_touching_the_device(args: tuple[str, ...], message: str) -> None:
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+class FakeEngine:
+    """Stands in for the engine in compressed mode: a snapshot of counters that grow with each forward."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def snapshot(self) -> dict:
+        n = self.calls
+        return {"forward_calls": n, "compressed_rows": 16 * n, "union_blocks": 16 * 900 * n,
+                "selected_blocks": 16 * 1003 * n, "blocks_admitted": 1440 * n, "blocks_evicted": 1000 * n,
+                "blocks_hit": 12960 * n, "info": {}}
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_breakdown_profiles_the_steps_and_writes_its_tables_and_summary(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = FakeEngine()
+    a = torch.randn(256, 256)
+
+    def step() -> None:
+        eng.calls += 1
+        (a @ a).sum()
+
+    def setup(batch, ctx, budget, tile_blocks, queries, steps, kernel="native", a=bench_gpu.DRIFT_A):
+        assert (batch, ctx, budget, queries, a) == (16, 32768, 2048, "drift", 0.9) and steps >= 4 + 2 * 4
+        return eng, step, 16048, steps
+
+    monkeypatch.setattr(bench_gpu, "compressed_setup", setup)
+    monkeypatch.setattr(bench_gpu.torch.cuda, "synchronize", lambda: None)
+    summary = bench_gpu.compressed_breakdown(16, 32768, "drift", tmp_path, a=0.9)
+    assert summary["drift_a"] == 0.9
+    assert eng.calls == 4 + 4 + 4  # warm-up, unprofiled, profiled
+    assert summary["union_blocks_per_row"] == 900 and summary["pool_over_batch_union"] == pytest.approx(16048 / 14400)
+    assert (summary["admitted_per_step"], summary["evicted_per_step"], summary["hit_per_step"]) == (1440, 1000, 12960)
+    assert summary["forward_cpu_ms_per_step"] > 0 and summary["device_ms_per_step"] == 0  # no GPU: no device events
+    assert "aten::mm" in [e["name"] for e in summary["top_self_cpu"]]
+    text = (tmp_path / summary["file"]).read_text()
+    assert summary["file"] == "compressed_breakdown_b16_32k_drift.txt"
+    assert "## top 15 by self CPU time" in text and "## top 15 by self CUDA time" in text and "aten::mm" in text
+    assert "bench::engine_forward" in text
+
+
+def test_compressed_decode_keeps_its_keys_and_adds_the_timed_steps_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    eng = FakeEngine()
+    warm = 4  # the cold pool: the warm-up calls admit 5x as much as a timed step
+
+    def step() -> None:
+        eng.calls += 1
+
+    snapshot = eng.snapshot
+
+    def cold_snapshot() -> dict:
+        s = snapshot()
+        s["blocks_admitted"] += 4 * 1440 * min(eng.calls, warm)
+        return s
+
+    eng.snapshot = cold_snapshot
+
+    def setup(batch, ctx, budget, tile_blocks, queries, steps, kernel="native", a=bench_gpu.DRIFT_A):
+        assert steps >= 4 + 3 * 4 + 1 + 4  # a new drifting query for every call, device timing included
+        return eng, step, 16048, steps
+
+    def event_ms(fn, calls, reps=5, warmup=3):
+        for _ in range(warmup + reps * calls):
+            fn()
+        return 40.0
+
+    def device_ms(fn, calls):
+        for _ in range(calls + 1):
+            fn()
+        return 30.0
+
+    monkeypatch.setattr(bench_gpu, "compressed_setup", setup)
+    monkeypatch.setattr(bench_gpu, "event_ms", event_ms)
+    monkeypatch.setattr(bench_gpu, "device_ms", device_ms)
+    monkeypatch.setattr(bench_gpu.torch.cuda, "synchronize", lambda: None)
+    r = bench_gpu.compressed_decode(16, 32768, 2048, 64, queries="drift", a=0.9)
+    assert {"batch", "context", "kernel", "ms", "union_blocks_per_row", "admitted_per_step"} <= set(r)
+    assert (r["batch"], r["context"], r["ms"], r["kernel_ms"], r["queries"], r["drift_a"]) == (16, 32768, 40.0, 30.0,
+                                                                                                "drift", 0.9)
+    assert r["timed_steps"] == 12 and eng.calls == 4 + 12 + 5
+    assert r["admitted_per_step"] == 1440 + 4 * 1440 * 4 / 16  # every call before the device timing, cold included
+    assert r["admitted_per_step_timed"] == 1440 and r["admitted_union_ratio"] == pytest.approx(1440 / (16 * 900))
+    assert (r["evicted_per_step_timed"], r["hit_per_step_timed"]) == (1000, 12960)
+    assert r["union_blocks_per_row_timed"] == 900 and r["selected_blocks_per_row_timed"] == 1003
+    assert r["pool_blocks"] == 16048 and r["pool_over_batch_union"] == pytest.approx(16048 / 14400)
