@@ -181,6 +181,8 @@ const char* const kEnvironmentHelp =
     "  ACTIVEKV_CPU_AMX=0           the CPU kernel keeps bfloat16 KV off AMX tiles (default: AMX where present)\n"
     "  ACTIVEKV_CUDA_SPLIT=N        CUDA decode batch: 16-token sub-tiles per work item (1..64), for measuring the\n"
     "                               split; unset: the plan's own choice\n"
+    "  ACTIVEKV_GATHER_CTAS=N       CUDA thread blocks of the pool's host-to-device block gather (1..1024), for\n"
+    "                               measuring it; unset: 32\n"
     "  ATEN_CPU_CAPABILITY=CAP      caps the CPU kernel's instruction set (default, avx2, avx512) as it caps ATen's\n"
     "  VLLM_PLUGINS                 serve and run-batch add activekv to it (see `activekv plugins`)\n";
 
