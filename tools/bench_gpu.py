@@ -703,12 +703,18 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                  "command": shlex.join(["python", "-m", "tools.bench_gpu", *sys.argv[1:]])}
     want = set(args.sections)
+
+    def save() -> None:
+        """Write what is measured so far: a run cut off by a time limit still leaves its finished sections."""
+        (args.out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
+
     ctxs = [32768, 131072] if args.quick else [32768, 65536, 131072]
     batches = (1, 16)
     if "ceilings" in want:
         res["ceilings"] = ceilings()
         print(f"## ceilings ({res['device']}, torch {res['torch']})\n")
         print("\n".join(ceilings_table(res)) + "\n", flush=True)
+        save()
 
     if "blocks" in want:
         res["blocks"] = block_batches(args.quick)
@@ -720,6 +726,7 @@ def main() -> None:
             print("\n".join(gather_table(res)) + "\n", flush=True)
         else:
             print("(no CUDA gather kernel in this build: copy_blocks_mapped uses index_select; no CTA sweep)\n")
+        save()
 
     if "streamed" in want:
         res["streamed"] = [exact_decode(b, 131072, True, 16384, 256, tr, kn) for b in batches
@@ -727,6 +734,7 @@ def main() -> None:
         print("## streamed exact decode: 128k context in a pinned host tier, pool 16k tokens, tile 256 blocks\n")
         if "ceilings" in res:
             print("\n".join(streamed_table(res)) + "\n", flush=True)
+        save()
 
     if "resident" in want or "compressed" in want:
         res["sdpa"] = []
@@ -747,6 +755,7 @@ def main() -> None:
         print("## resident exact decode vs SDPA flash (KV read rate = K and V bytes / step time; CUDA events over "
               "back-to-back calls; kernel = device time of the calls' kernels)\n")
         print("\n".join(resident_table(res)) + "\n", flush=True)
+        save()
 
     if args.split_sweep:
         rows = split_sweep(batches, ctxs)
@@ -766,13 +775,15 @@ def main() -> None:
               "pool / union = pool blocks over batch x union blocks per row (timed steps).\n")
         print("\n".join(compressed_table(res)) + "\n")
         print("\n".join(compressed_targets(res)) + "\n", flush=True)
+        save()
     if args.compressed_breakdown:
         print("## compressed decode breakdown (torch.profiler)\n")
         res["compressed_breakdown"] = []
         for b, c, queries in args.compressed_breakdown:
             res["compressed_breakdown"].append(compressed_breakdown(b, c, queries, args.out, a=args.drift))
+            save()
             torch.cuda.empty_cache()
-    (args.out / "gpu_bench.json").write_text(json.dumps(res, indent=1))
+    save()
     if want == set(SECTIONS):
         plot(res, args.out / "gpu_decode.png")
         print(f"\nwrote {args.out / 'gpu_bench.json'} and {args.out / 'gpu_decode.png'}")
