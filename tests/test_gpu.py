@@ -395,9 +395,10 @@ CUDA_KERNEL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2
 KERNEL_CELLS = [c for c in EXACT + COMPRESSED + IN_PLACE if c.head_size in (64, 128)]
 
 
-def _replay(cell: Cell, kernel: str, snapshot: dict | None = None) -> list[torch.Tensor]:
+def _replay(cell: Cell, kernel: str, snapshot: dict | None = None,
+            selections: list[dict] | None = None) -> list[torch.Tensor]:
     """The cell's steps on one CUDA engine (host tier on the device); every forward's output, in order. `snapshot`, if
-    given, receives the engine's telemetry snapshot at the end."""
+    given, receives the engine's telemetry snapshot at the end; `selections`, each forward's selection."""
     import activekv._backend as backend
     from tools.parity_cells import NUM_LAYERS, host_blocks_for, make_steps
 
@@ -415,6 +416,8 @@ def _replay(cell: Cell, kernel: str, snapshot: dict | None = None) -> list[torch
             out = torch.full_like(q, 7.0)
             eng.forward(layer, plan, q, caches[layer], out, cell.head_size ** -0.5)
             outs.append(out)
+            if selections is not None:
+                selections.append(eng.selection(layer))
     if snapshot is not None:
         snapshot.update(eng.snapshot())
     return outs
@@ -445,6 +448,30 @@ def test_cuda_kernel_within_tolerance_of_aten_path_and_repeatable(cell: Cell) ->
         assert snap["decode_batch_rows"] > 0
     elif cell.dtype == torch.float32:  # the batch kernel takes 16-bit KV only
         assert snap["decode_batch_rows"] == 0
+
+
+SELECTING = [c for c in COMPRESSED if c.context != "short"]  # a "short" context fits the budget: no row selects
+
+
+@pytest.mark.parametrize("cell", SELECTING, ids=lambda c: c.id)
+def test_batched_selection_chooses_the_row_by_row_blocks(cell: Cell) -> None:
+    """The CUDA path scores every selecting row of a layer at once (rows padded to the longest row's candidates, no
+    wait for the device before the positions' copy); the ATen path row by row with the reference's ops. Every forward
+    selects the same blocks for every row and KV head."""
+    aten: list[dict] = []
+    native: list[dict] = []
+    _replay(cell, "aten", selections=aten)
+    _replay(cell, "native", selections=native)
+    assert len(aten) == len(native) and any(aten), "the cell never selected"
+    for i, (a, n) in enumerate(zip(aten, native, strict=True)):
+        assert a.keys() == n.keys(), f"forward {i}: rows {sorted(a)} vs {sorted(n)}"
+        for row in a:
+            assert torch.equal(a[row], n[row]), f"forward {i}, row {row}"
+
+
+def test_selecting_cells_hold_rows_of_different_lengths() -> None:
+    """The batched selection's padding is exercised: some cell selects for two rows of different context lengths."""
+    assert any(c.batch >= 2 and len(set(c.prompt_lens())) >= 2 for c in SELECTING)
 
 
 def test_kernel_cells_take_the_decode_batch_in_place_and_from_the_pool() -> None:

@@ -91,6 +91,8 @@ class CudaPath : public AtenPath {
     b.arrays = host.to(device_, /*non_blocking=*/true);
   }
 
+  bool batched_selection() const override { return true; }
+
   bool batch_fits(const LayerStep& s) const override {
     const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
     const auto& q = s.query;

@@ -49,6 +49,9 @@ class ForwardPath {
   virtual bool batches_units() const = 0;
   /// Whether compressed selection scores with the CPU kernel (selection.h native_scores).
   virtual bool native_scores() const { return false; }
+  /// Whether compressed selection scores every selecting row of a layer at once on the device (select_rows'
+  /// `batched`) rather than row by row as the reference does.
+  virtual bool batched_selection() const { return false; }
   /// Plan the step's decode batch (StepPlan::batch) at build, where the path attends one (the CUDA path).
   virtual void plan_batch(StepPlan& plan) const {}
   /// Whether this layer's tensors let the plan's decode batch run (the kernel reads them in 16-byte pieces).

@@ -115,6 +115,63 @@ at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const a
   return at::cat({sinks, top.add(sel.sink_blocks), recents}, 1);
 }
 
+namespace {
+// Every selecting row of one layer at once, on the query's device (select_rows with `batched`): the Quest bound of
+// the rows' candidates, padded to the longest row's count, in two batched matmuls; the top k per (row, KV head) as
+// top_blocks takes them, padding ranked below every candidate (each row has more than k); the chosen positions read
+// with a stable sort instead of nonzero, so no op waits for the device. [rows, KVH, m] int64 positions.
+at::Tensor select_batched(const StepPlan& plan, const std::vector<size_t>& selecting, const LayerState& layer,
+                          const at::Tensor& query, const Selection& sel) {
+  RECORD_FUNCTION("activekv::select_batched", std::vector<c10::IValue>());
+  const int64_t r = static_cast<int64_t>(selecting.size()), kvh = layer.key_min.size(1), d = layer.key_min.size(2);
+  const int64_t g = query.size(1) / kvh, k = sel.top_k, sink = sel.sink_blocks, rec = sel.recent_blocks;
+  int64_t cmax = 0;
+  for (size_t i : selecting) {
+    const int64_t cand = plan.rows[i].nb - sink - rec;
+    AKV_CHECK_VALUE(cand > k, "a selecting row needs more than sink + recent + k = ", sel.per_head(), " blocks, got ",
+                    plan.rows[i].nb);
+    cmax = std::max(cmax, cand);
+  }
+  // One index array to the device: candidate block ids [r, cmax] (padding repeats the row's first candidate), the
+  // candidate count of each row [r], its query token [r] and its recent positions [r, rec].
+  std::vector<int64_t> host(r * (cmax + 2 + rec));
+  int64_t *ids = host.data(), *count = ids + r * cmax, *token = count + r, *recent = token + r;
+  for (int64_t j = 0; j < r; ++j) {
+    const PlannedRow& w = plan.rows[selecting[j]];
+    const int64_t cand = w.nb - sink - rec;
+    const int64_t* row = plan.blocks.data() + w.first_block + sink;
+    for (int64_t c = 0; c < cmax; ++c) ids[j * cmax + c] = row[c < cand ? c : 0];
+    count[j] = cand;
+    token[j] = w.q0;
+    for (int64_t t = 0; t < rec; ++t) recent[j * rec + t] = w.nb - rec + t;
+  }
+  const auto dev = index_tensor(host, query.device());
+  const auto cand_ids = dev.narrow(0, 0, r * cmax);
+  const auto meta = [&](const at::Tensor& m) {  // [r, KVH, D, cmax], widened exactly
+    return m.index_select(0, cand_ids).to(at::kFloat).view({r, cmax, kvh, d}).permute({0, 2, 3, 1});
+  };
+  const auto qf = query.index_select(0, dev.narrow(0, r * cmax + r, r)).to(at::kFloat).reshape({r, kvh, g, d});
+  const auto bound = at::add(at::matmul(qf.clamp_min(0.0), meta(layer.key_max)),
+                             at::matmul(qf.clamp_max(0.0), meta(layer.key_min)))
+                         .amax(2);  // [r, KVH, cmax]
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(query.device());
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const auto padding = at::arange(cmax, opts).view({1, 1, cmax}).ge(dev.narrow(0, r * cmax, r).view({r, 1, 1}));
+  const auto s = at::nan_to_num(bound, kInf, kInf, -kInf).masked_fill(padding, -kInf);
+  const auto kth = std::get<0>(at::topk(s, k, /*dim=*/-1, /*largest=*/true, /*sorted=*/true)).narrow(-1, k - 1, 1);
+  const auto above = s.gt(kth);
+  const auto tied = s.eq(kth);
+  const auto room = above.sum(-1, /*keepdim=*/true).neg().add(k);
+  const auto chosen = above.logical_or(tied.logical_and(tied.cumsum(-1).le(room)));  // k per (row, head)
+  const auto top = std::get<1>(at::sort(chosen.logical_not().to(at::kByte), /*stable=*/true, /*dim=*/-1,
+                                        /*descending=*/false))
+                       .narrow(-1, 0, k);  // the chosen positions, ascending
+  const auto sinks = at::arange(0, sink, opts).view({1, 1, sink}).expand({r, kvh, sink});
+  const auto recents = dev.narrow(0, r * (cmax + 2), r * rec).view({r, 1, rec}).expand({r, kvh, rec});
+  return at::cat({sinks, top.add(sink), recents}, -1);
+}
+}  // namespace
+
 std::vector<int64_t> RowSelection::head_slots(const std::vector<int64_t>& union_slots) const {
   const int64_t n = pos_cpu.numel();
   const int64_t* pp = pos_cpu.data_ptr<int64_t>();
@@ -124,13 +181,11 @@ std::vector<int64_t> RowSelection::head_slots(const std::vector<int64_t>& union_
   return out;
 }
 
-std::vector<RowSelection> select_rows(const StepPlan& plan, LayerState& layer, const at::Tensor& query,
-                                      const Selection& sel, bool native_scores, Telemetry& telemetry) {
-  std::vector<RowSelection> out(plan.rows.size());
-  std::vector<size_t> selecting;
-  for (size_t i = 0; i < plan.rows.size(); ++i)
-    if (plan.rows[i].selects) selecting.push_back(i);
-  // Score and choose: [KVH, m] positions per row, on the query's device. Reads the layer's key metadata only.
+namespace {
+// select_rows' scoring row by row: [KVH, m] positions per row, on the query's device, into out[i].pos. With
+// native_scores and at least two selecting rows per thread, one parallel region scores the rows (a row per task).
+void select_each(const StepPlan& plan, const std::vector<size_t>& selecting, const LayerState& layer,
+                 const at::Tensor& query, const Selection& sel, bool native_scores, std::vector<RowSelection>& out) {
   const auto choose = [&](size_t i) {
     const PlannedRow& w = plan.rows[selecting[i]];
     const auto& ids = w.row_blocks_dev.defined() ? w.row_blocks_dev : w.row_blocks;
@@ -145,17 +200,35 @@ std::vector<RowSelection> select_rows(const StepPlan& plan, LayerState& layer, c
   } else {
     for (size_t i = 0; i < selecting.size(); ++i) choose(i);
   }
+}
+}  // namespace
+
+std::vector<RowSelection> select_rows(const StepPlan& plan, LayerState& layer, const at::Tensor& query,
+                                      const Selection& sel, bool native_scores, Telemetry& telemetry,
+                                      bool batched) {
+  std::vector<RowSelection> out(plan.rows.size());
+  std::vector<size_t> selecting;
+  for (size_t i = 0; i < plan.rows.size(); ++i)
+    if (plan.rows[i].selects) selecting.push_back(i);
+  // Score and choose (reads the layer's key metadata only). Off the CPU, every row's positions come to the host in
+  // one copy: one wait for the device per layer, not per row.
+  const int64_t kvh = layer.key_min.size(1), m = sel.per_head();
+  at::Tensor all_pos;  // [rows, KVH, m] on the host
+  if (batched && !selecting.empty() && !query.is_cpu()) {
+    const auto all = select_batched(plan, selecting, layer, query, sel);
+    for (size_t j = 0; j < selecting.size(); ++j) out[selecting[j]].pos = all[static_cast<int64_t>(j)];
+    all_pos = all.to(at::kCPU);
+  } else {
+    select_each(plan, selecting, layer, query, sel, native_scores, out);
+    if (!selecting.empty() && !query.is_cpu()) {
+      std::vector<at::Tensor> rows_pos;
+      rows_pos.reserve(selecting.size());
+      for (size_t i : selecting) rows_pos.push_back(out[i].pos);
+      all_pos = at::stack(rows_pos).to(at::kCPU);
+    }
+  }
   // Record, in row order: the union of the heads' blocks (admitted, all pinned while the row attends), the layer's
   // last selection and the counters.
-  const int64_t kvh = layer.key_min.size(1), m = sel.per_head();
-  // Off the CPU, every row's positions come to the host in one copy (one wait for the device per layer, not per row).
-  at::Tensor all_pos;
-  if (!selecting.empty() && !query.is_cpu()) {
-    std::vector<at::Tensor> rows_pos;
-    rows_pos.reserve(selecting.size());
-    for (size_t i : selecting) rows_pos.push_back(out[i].pos);
-    all_pos = at::stack(rows_pos).to(at::kCPU);  // [rows, KVH, m]
-  }
   for (size_t j = 0; j < selecting.size(); ++j) {
     const size_t i = selecting[j];
     const PlannedRow& w = plan.rows[i];
