@@ -54,9 +54,21 @@ def test_breakdown_configurations_parse_with_tokens_or_k_and_optional_queries() 
             bench_gpu.parse_breakdown(bad)
 
 
-def with_drift_rows(ms_128k_b16: float, admitted_ratio: float) -> dict:
-    """The committed GPU data with a drifting-query row (every new key filled) after each random one."""
+# The keys of a compressed row that data written before the timed-step counters lacks.
+OLD_ROW_KEYS = ("batch", "context", "kernel", "ms", "union_blocks_per_row", "admitted_per_step")
+
+
+def older_data() -> dict:
+    """The committed GPU data as an older run wrote it: random-query compressed rows with only OLD_ROW_KEYS."""
     res = json.loads((REPO_ROOT / "docs" / "data" / "bench_gpu.json").read_text())
+    res["compressed"] = [{k: r[k] for k in OLD_ROW_KEYS} for r in res["compressed"]
+                         if r.get("queries", "random") == "random"]
+    return res
+
+
+def with_drift_rows(ms_128k_b16: float, admitted_ratio: float) -> dict:
+    """Older data (older_data) with a drifting-query row (every new key filled) after each random one."""
+    res = older_data()
     rows = []
     for r in res["compressed"]:
         d = copy.deepcopy(r)
@@ -87,7 +99,8 @@ def test_compressed_table_has_a_row_per_cell_and_query_kind_and_dashes_what_olde
     assert (old["batch"], old["context"], old["queries"]) == ("16", "128k", "random")
     assert old["admitted / union"] == old["evicted/step"] == old["kernel ms"] == "-"  # the committed data's rows
     assert new["queries"] == "drift (a=0.95)" and new["admitted / union"] == "0.050"
-    assert new["compressed ms"] == "3.00" and float(new["SDPA / compressed"]) == pytest.approx(2.176 / 3.0, abs=1e-3)
+    sdpa = next(s["ms"] for s in res["sdpa"] if (s["batch"], s["context"]) == (16, 131072))
+    assert new["compressed ms"] == "3.00" and float(new["SDPA / compressed"]) == pytest.approx(sdpa / 3.0, abs=1e-3)
     assert new["pool / union"] == f"{1003 / res['compressed'][-1]['union_blocks_per_row']:.2f}"
 
 
@@ -105,9 +118,38 @@ def test_compressed_target_is_2x_sdpa_or_a_tenth_of_the_union_at_batch_16_128k_d
 
 
 def test_compressed_target_says_not_measured_without_a_drift_row() -> None:
-    res = json.loads((REPO_ROOT / "docs" / "data" / "bench_gpu.json").read_text())
+    res = older_data()
     [line] = bench_gpu.compressed_targets(res)
     assert line.endswith("not measured (no drifting-query row at that batch and context).")
+
+
+def test_breakdown_table_has_a_row_per_profile_with_the_admitted_bytes_bus_time() -> None:
+    res = older_data()
+    res["ceilings"] = {"h2d_GBps": 50.0}
+    res["compressed_breakdown"] = [
+        {"batch": 16, "context": 131072, "queries": "drift", "drift_a": 0.95, "wall_ms_per_step": 14.0,
+         "forward_cpu_ms_per_step": 12.5, "forward_self_cpu_ms_per_step": 3.25, "device_ms_per_step": 15.5,
+         "admitted_per_step": 1000.0,
+         "top_self_cpu": [{"name": "cudaMemcpyAsync", "calls": 400, "self_cpu_ms_per_step": 4.5}]},
+        {"batch": 1, "context": 32768, "queries": "random", "drift_a": None, "wall_ms_per_step": 1.0,
+         "forward_cpu_ms_per_step": 0.9, "forward_self_cpu_ms_per_step": 0.2, "device_ms_per_step": 0.8,
+         "admitted_per_step": 0.0, "top_self_cpu": []}]
+    lines = bench_gpu.breakdown_table(res)
+    names = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert lines[1].count("---") == len(names) and len(lines) == 4
+    first, second = (dict(zip(names, [c.strip() for c in line.strip("|").split("|")], strict=True))
+                     for line in lines[2:])
+    assert (first["batch"], first["context"], first["queries"]) == ("16", "128k", "drift (a=0.95)")
+    assert first["their bus time ms"] == f"{1000 * 65536 / 50e9 * 1e3:.2f}" == "1.31"
+    assert first["largest host self cost"] == "cudaMemcpyAsync 4.50 ms (400 calls)"
+    assert (second["their bus time ms"], second["largest host self cost"]) == ("0.00", "-")
+    del res["ceilings"]
+    assert bench_gpu.breakdown_table(res)[2].split("|")[9].strip() == "-"  # no ceiling measured: no bus time
+
+
+def test_committed_data_renders_its_breakdown_rows() -> None:
+    res = json.loads((REPO_ROOT / "docs" / "data" / "bench_gpu.json").read_text())
+    assert len(bench_gpu.breakdown_table(res)) == 2 + len(res.get("compressed_breakdown", []))
 
 
 def test_plot_series_split_random_and_drifting_rows_and_the_plot_draws(tmp_path: Path) -> None:

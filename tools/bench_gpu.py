@@ -619,6 +619,26 @@ def compressed_targets(res: dict) -> list[str]:
             f"target {'met' if time_ok or ratio_ok else 'not met'}."]
 
 
+def breakdown_table(res: dict) -> list[str]:
+    """One row per profiled configuration (--compressed-breakdown): wall time per step, the host's time in
+    Engine.forward and its part outside ATen ops and named ranges, the device's (kernels and copies, both streams
+    summed), the blocks admitted per step and the time those bytes take on the pinned bus (the step's floor when
+    admission is bus-bound), and the host's largest self cost."""
+    lines = ["| batch | context | queries | wall ms/step | host in forward ms | of it outside ops ms | device ms | "
+             "admitted blocks/step | their bus time ms | largest host self cost |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    h2d = res.get("ceilings", {}).get("h2d_GBps")
+    for r in res.get("compressed_breakdown", []):
+        queries = r["queries"] + (f" (a={r['drift_a']})" if r.get("drift_a") is not None else "")
+        bus = "-" if not h2d else f"{r['admitted_per_step'] * BLOCK_BYTES / (h2d * 1e6):.2f}"
+        top = r["top_self_cpu"][0] if r.get("top_self_cpu") else None
+        largest = "-" if top is None else f"{top['name']} {top['self_cpu_ms_per_step']:.2f} ms ({top['calls']} calls)"
+        lines.append(f"| {r['batch']} | {r['context'] // 1024}k | {queries} | {r['wall_ms_per_step']:.2f} | "
+                     f"{r['forward_cpu_ms_per_step']:.2f} | {r['forward_self_cpu_ms_per_step']:.2f} | "
+                     f"{r['device_ms_per_step']:.2f} | {r['admitted_per_step']:.0f} | {bus} | {largest} |")
+    return lines
+
+
 PLOT_SERIES = (("resident", "ActiveKV exact, in place on the device"),
                ("resident_pool", "ActiveKV exact, pool-resident"),
                ("resident_aten", "ActiveKV exact, pool-resident, ATen path"),
@@ -783,6 +803,7 @@ def main() -> None:
             res["compressed_breakdown"].append(compressed_breakdown(b, c, queries, args.out, a=args.drift))
             save()
             torch.cuda.empty_cache()
+        print("\n".join(breakdown_table(res)) + "\n", flush=True)
     save()
     if want == set(SECTIONS):
         plot(res, args.out / "gpu_decode.png")

@@ -427,6 +427,11 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
         "where this data has no such figure.", "",
         *bench_gpu.compressed_table(gpu), "",
         *bench_gpu.compressed_targets(gpu), "",
+        *([f"**Where a compressed step goes** (torch.profiler over 4 steps; `--compressed-breakdown`; the full "
+            "tables are written beside the data). Host and device overlap: the device figure sums the compute and "
+            "copy streams. \"Their bus time\" is the admitted blocks' bytes over the pinned H2D ceiling: the floor "
+            "of a step whose admission crosses the bus.", "", *bench_gpu.breakdown_table(gpu), ""]
+          if gpu.get("compressed_breakdown") else []),
         "**Ceilings and block batches** (256 MiB of scattered blocks from a pinned host tier into device memory). "
         f"Target: 16 KiB blocks at 45 GB/s; measured {small['mapped_GBps']:.1f} GB/s mapped.", "",
         *bench_gpu.ceilings_table(gpu), "",
