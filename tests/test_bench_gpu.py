@@ -147,6 +147,19 @@ def test_breakdown_table_has_a_row_per_profile_with_the_admitted_bytes_bus_time(
     assert bench_gpu.breakdown_table(res)[2].split("|")[9].strip() == "-"  # no ceiling measured: no bus time
 
 
+def test_blocks_table_shows_the_gather_kernel_alone_and_dashes_data_without_it() -> None:
+    res = older_data()
+    for r in res["blocks"]:
+        r.pop("gather_kernel_GBps", None)
+    res["blocks"][0]["gather_kernel_GBps"] = 51.0
+    lines = bench_gpu.blocks_table(res)
+    names = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(names, [c.strip() for c in line.strip("|").split("|")], strict=True)) for line in lines[2:]]
+    assert len(rows) == len(res["blocks"]) and lines[1].count("---") == len(names)
+    assert rows[0]["its gather kernel alone GB/s"] == "51.0"
+    assert {r["its gather kernel alone GB/s"] for r in rows[1:]} == {"-"}
+
+
 def test_committed_data_renders_its_breakdown_rows() -> None:
     res = json.loads((REPO_ROOT / "docs" / "data" / "bench_gpu.json").read_text())
     assert len(bench_gpu.breakdown_table(res)) == 2 + len(res.get("compressed_breakdown", []))

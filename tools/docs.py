@@ -433,7 +433,11 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
             "of a step whose admission crosses the bus.", "", *bench_gpu.breakdown_table(gpu), ""]
           if gpu.get("compressed_breakdown") else []),
         "**Ceilings and block batches** (256 MiB of scattered blocks from a pinned host tier into device memory). "
-        f"Target: 16 KiB blocks at 45 GB/s; measured {small['mapped_GBps']:.1f} GB/s mapped.", "",
+        f"Target: 16 KiB blocks at 45 GB/s; measured {small['mapped_GBps']:.1f} GB/s mapped, the whole call one at "
+        "a time"
+        + (f", its gather kernel alone {small['gather_kernel_GBps']:.1f} GB/s (the call's host work and its scatter "
+           "into the destination, on the compute stream, run before and after the kernel)"
+           if small.get("gather_kernel_GBps") else "") + ".", "",
         *bench_gpu.ceilings_table(gpu), "",
         *bench_gpu.blocks_table(gpu),
         *(["", "copy_blocks_mapped by CTA count of its gather kernel (`ACTIVEKV_GATHER_CTAS`):", "",
