@@ -13,6 +13,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 
@@ -25,6 +27,13 @@ namespace {
 // Query tokens of a prefill row per task (and per GQA group member and KV head): a 2k-token chunk of a model of 3 KV
 // heads makes 3 x group x 4 tasks instead of 3.
 constexpr int64_t kRunTokens = 512;
+
+// Segments of an exact decode row (one query token, two tiles or more): min(tiles, kDecodeSegments) runs of whole
+// tiles, segment s from tile s * T / S, each with its online-softmax state of its own, merged in segment order when
+// the layer finishes. A decode row of few KV heads then keeps every thread busy (3 KV heads on 2 threads would leave
+// one idle a third of the step), and since the segments are fixed by the row's tile count alone, the row's
+// arithmetic depends neither on the thread count nor on the rounds.
+constexpr int64_t kDecodeSegments = 8;
 
 // Query rows of the CPU kernel, grouped per KV head as group_query lays them out: of a request row whose grouped rows
 // start at q, KV head hh, group member gi and token t is row hh * G * lq + gi * lq + t of q [rows, D] float32 (and of
@@ -80,6 +89,18 @@ class CpuPath : public ForwardPath {
     mbuf_.assign(total, -std::numeric_limits<float>::infinity());
     lbuf_.assign(total, 0.f);
     accbuf_.assign(total * d, 0.f);
+    // Decode segments (kDecodeSegments): segment 0 uses the row's state above; segments 1.. their own, row i's from
+    // part_first_[i] (segment s, KV head hh: part_first_[i] + ((s - 1) * kvh + hh) * G).
+    segments_.assign(rows.size(), 1);
+    part_first_.assign(rows.size() + 1, 0);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const PlannedRow& w = rows[i];
+      if (!w.selects && w.lq == 1 && w.num_units >= 2) segments_[i] = std::min(w.num_units, kDecodeSegments);
+      part_first_[i + 1] = part_first_[i] + (segments_[i] - 1) * kvh * group;
+    }
+    pmbuf_.assign(part_first_.back(), -std::numeric_limits<float>::infinity());
+    plbuf_.assign(part_first_.back(), 0.f);
+    paccbuf_.assign(part_first_.back() * d, 0.f);
     // The query rounded to bfloat16 (exactly the model's bfloat16 query) where the kernel reads it.
     qb16_.resize(g_.dtype == at::kBFloat16 && cpu_kernel_uses_bf16_query(d) ? total * d : 0);
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -140,6 +161,19 @@ class CpuPath : public ForwardPath {
               const int64_t t0 = (x % 2 == 0 ? x / 2 : runs - 1 - x / 2) * kRunTokens;
               tasks_.push_back({i, hh, 1, gi * lq + t0, std::min(kRunTokens, lq - t0)});
             }
+      } else if (segments_[i] > 1) {
+        // The round's tiles of the row (contiguous, tb slots each but the row's last), grouped by segment.
+        const RowRound& rr = round_[i];
+        const int64_t count = static_cast<int64_t>(rr.slots.size()), nseg = segments_[i];
+        const int64_t tiles_of_row = s.plan.rows[i].num_units;
+        for (int64_t j0 = 0; j0 < count;) {
+          const int64_t seg = ((rr.pos[j0] / tb + 1) * nseg - 1) / tiles_of_row;
+          int64_t j1 = j0 + tb;
+          while (j1 < count && ((rr.pos[j1] / tb + 1) * nseg - 1) / tiles_of_row == seg) j1 += tb;
+          j1 = std::min(j1, count);
+          for (int64_t h0 = 0; h0 < kvh; h0 += per_task) tasks_.push_back({i, h0, per_task, 0, group, j0, j1, seg});
+          j0 = j1;
+        }
       } else {
         for (int64_t h0 = 0; h0 < kvh; h0 += per_task) tasks_.push_back({i, h0, per_task, 0, group * lq});
       }
@@ -170,8 +204,9 @@ class CpuPath : public ForwardPath {
         // head's blocks in one call (the heads' blocks differ, so nothing is shared between them, and the kernel then
         // prefetches across tiles). Each (row, head) sees its blocks in order, in tiles of tb, either way.
         const int64_t step = rr.head_stride > 0 ? count : tb;
-        for (int64_t j = 0; j < count; j += step) {
-          const int64_t n = std::min(step, count - j);
+        const int64_t j_end = task.j1 >= 0 ? task.j1 : count;
+        for (int64_t j = task.j0; j < j_end; j += step) {
+          const int64_t n = std::min(step, j_end - j);
           for (int64_t hh = h0; hh < h0 + task.heads; ++hh) {
             const int64_t* slots = rr.slots.data() + hh * rr.head_stride + j;
             ptrs.resize(n);
@@ -181,9 +216,16 @@ class CpuPath : public ForwardPath {
             a.num_blocks = n;
             a.kv = ptrs.data();
             a.block_pos = rr.pos.data() + hh * rr.head_stride + j;
-            a.m = mbuf_.data() + base + hh * nrows;
-            a.l = lbuf_.data() + base + hh * nrows;
-            a.acc = accbuf_.data() + (base + hh * nrows) * d;
+            if (task.seg == 0) {
+              a.m = mbuf_.data() + base + hh * nrows;
+              a.l = lbuf_.data() + base + hh * nrows;
+              a.acc = accbuf_.data() + (base + hh * nrows) * d;
+            } else {  // a later decode segment's own state (one query token: nrows = G)
+              const int64_t p = part_first_[i] + ((task.seg - 1) * kvh + hh) * nrows;
+              a.m = pmbuf_.data() + p;
+              a.l = plbuf_.data() + p;
+              a.acc = paccbuf_.data() + p * d;
+            }
             attend_blocks_cpu(a);
           }
         }
@@ -199,6 +241,7 @@ class CpuPath : public ForwardPath {
   void finish(const LayerStep& s) override {
     const int64_t kvh = g_.num_kv_heads, d = g_.head_size, group = g_.num_heads / kvh;
     const auto& rows = s.plan.rows;
+    merge_segments(kvh * group, d);
     for (size_t i = 0; i < rows.size(); ++i) {
       const float* acc = accbuf_.data() + first_[i] * d;
       const float* l = lbuf_.data() + first_[i];
@@ -212,6 +255,27 @@ class CpuPath : public ForwardPath {
   }
 
  private:
+  // Each decode row's later segments merged into its first segment's state, in segment order (the online-softmax
+  // merge of two states: the larger max, both sums and accumulators rescaled to it). `heads` = KV heads x G rows.
+  void merge_segments(int64_t heads, int64_t d) {
+    for (size_t i = 0; i < segments_.size(); ++i) {
+      for (int64_t sgm = 1; sgm < segments_[i]; ++sgm) {
+        for (int64_t r = 0; r < heads; ++r) {
+          const int64_t p = part_first_[i] + (sgm - 1) * heads + r, q = first_[i] + r;
+          const float ms = pmbuf_[p];
+          if (ms == -std::numeric_limits<float>::infinity()) continue;  // no key seen: nothing to add
+          const float m = std::max(mbuf_[q], ms);
+          const float a0 = std::exp(mbuf_[q] - m), as = std::exp(ms - m);  // exp(-inf) = 0 for an empty first
+          lbuf_[q] = lbuf_[q] * a0 + plbuf_[p] * as;
+          float* acc = accbuf_.data() + q * d;
+          const float* pacc = paccbuf_.data() + p * d;
+          for (int64_t j = 0; j < d; ++j) acc[j] = acc[j] * a0 + pacc[j] * as;
+          mbuf_[q] = m;
+        }
+      }
+    }
+  }
+
   // A row's blocks in the current round: pool slots and row positions of head hh at [hh * head_stride, + count).
   // Every head of an exact row reads the same blocks (head_stride 0); a compressed row's heads read m each.
   struct RowRound {
@@ -223,13 +287,16 @@ class CpuPath : public ForwardPath {
   Telemetry& telemetry_;
   std::vector<int64_t> first_;
   std::vector<float> qbuf_, mbuf_, lbuf_, accbuf_;
+  std::vector<int64_t> segments_, part_first_;  ///< decode segments per row; first row of its later segments' state
+  std::vector<float> pmbuf_, plbuf_, paccbuf_;  ///< the later segments' online-softmax state
   std::vector<at::BFloat16> qb16_;
   std::vector<RowRound> round_;
   // A task: KV heads [h0, h0 + heads) of a request row, its grouped query rows [r0, r0 + rows) of each head (row
-  // gi * lq + t of a head: group member gi, token t).
+  // gi * lq + t of a head: group member gi, token t); a decode segment's task the round's slots [j0, j1) of the row,
+  // into segment seg's state (j1 = -1: every slot of the round, into the row's state).
   struct Task {
     size_t row;
-    int64_t h0, heads, r0, rows;
+    int64_t h0, heads, r0, rows, j0 = 0, j1 = -1, seg = 0;
   };
   std::vector<Task> tasks_;
 };
