@@ -17,15 +17,34 @@
 namespace activekv {
 
 
+namespace {
+// The Quest bound of float32 queries qf [..., KVH, G, D] against widened metadata kmin, kmax [..., KVH, D, C]: per
+// KV head the largest of its query heads' bounds, [..., KVH, C]. sum_d max(q_d * min_d, q_d * max_d) =
+// relu(q) . max + min(q, 0) . min  (max_d >= min_d).
+at::Tensor quest_bound(const at::Tensor& qf, const at::Tensor& kmin, const at::Tensor& kmax) {
+  return at::add(at::matmul(qf.clamp_min(0.0), kmax), at::matmul(qf.clamp_max(0.0), kmin)).amax(-2);
+}
+
+// The k highest of score [..., C] along its last dimension as a mask, ties by lowest position, NaN as +inf: every
+// score above the k-th, then the lowest-positioned ones equal to it. Exactly k per row where a row holds k or more
+// scores above -inf or has its -inf ones last (padding).
+at::Tensor top_k_mask(const at::Tensor& score, int64_t k) {
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  auto s = at::nan_to_num(score, kInf, kInf, -kInf);
+  auto kth = std::get<0>(at::topk(s, k, /*dim=*/-1, /*largest=*/true, /*sorted=*/true)).narrow(-1, k - 1, 1);
+  auto above = s.gt(kth);
+  auto tied = s.eq(kth);
+  auto room = above.sum(-1, /*keepdim=*/true).neg().add(k);  // tied blocks still to take, lowest position first
+  return above.logical_or(tied.logical_and(tied.cumsum(-1).le(room)));
+}
+}  // namespace
+
 at::Tensor quest_scores(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
                         const at::Tensor& ids) {
   const int64_t kvh = key_min.size(1), d = key_min.size(2), g = q.size(1) / kvh;
   auto kmin = key_min.index_select(0, ids).to(at::kFloat).permute({1, 2, 0});  // [KVH, D, C], widened exactly
   auto kmax = key_max.index_select(0, ids).to(at::kFloat).permute({1, 2, 0});  // [KVH, D, C]
-  auto qf = q.to(at::kFloat).reshape({kvh, g, d});                // [KVH, G, D]
-  // sum_d max(q_d * min_d, q_d * max_d) = relu(q) . max + min(q, 0) . min  (max_d >= min_d)
-  auto bound = at::add(at::matmul(qf.clamp_min(0.0), kmax), at::matmul(qf.clamp_max(0.0), kmin));  // [KVH, G, C]
-  return bound.amax(1);                                                                             // [KVH, C]
+  return quest_bound(q.to(at::kFloat).reshape({kvh, g, d}), kmin, kmax);       // [KVH, C]
 }
 
 at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
@@ -59,14 +78,7 @@ at::Tensor quest_scores_native(const at::Tensor& q, const at::Tensor& key_min, c
 
 at::Tensor top_blocks(const at::Tensor& score, int64_t k) {
   // NaN scores (from non-finite key metadata) rank first, as +inf, so exactly k blocks are chosen per head.
-  constexpr double kInf = std::numeric_limits<double>::infinity();
-  auto s = at::nan_to_num(score, kInf, kInf, -kInf);
-  auto kth = std::get<0>(at::topk(s, k, /*dim=*/1, /*largest=*/true, /*sorted=*/true)).narrow(1, k - 1, 1);
-  auto above = s.gt(kth);
-  auto tied = s.eq(kth);
-  auto room = above.sum(1, /*keepdim=*/true).neg().add(k);  // tied blocks still to take, lowest position first
-  auto chosen = above.logical_or(tied.logical_and(tied.cumsum(1).le(room)));
-  return chosen.nonzero().select(1, 1).reshape({score.size(0), k});  // row-major: ascending per head
+  return top_k_mask(score, k).nonzero().select(1, 1).reshape({score.size(0), k});  // row-major: ascending per head
 }
 
 namespace {
@@ -151,18 +163,12 @@ at::Tensor select_batched(const StepPlan& plan, const std::vector<size_t>& selec
     return m.index_select(0, cand_ids).to(at::kFloat).view({r, cmax, kvh, d}).permute({0, 2, 3, 1});
   };
   const auto qf = query.index_select(0, dev.narrow(0, r * cmax + r, r)).to(at::kFloat).reshape({r, kvh, g, d});
-  const auto bound = at::add(at::matmul(qf.clamp_min(0.0), meta(layer.key_max)),
-                             at::matmul(qf.clamp_max(0.0), meta(layer.key_min)))
-                         .amax(2);  // [r, KVH, cmax]
+  const auto bound = quest_bound(qf, meta(layer.key_min), meta(layer.key_max));  // [r, KVH, cmax]
   const auto opts = at::TensorOptions().dtype(at::kLong).device(query.device());
-  constexpr double kInf = std::numeric_limits<double>::infinity();
+  // Padding as NaN would rank first; as -inf it ranks after every candidate (a NaN bound becomes +inf first).
   const auto padding = at::arange(cmax, opts).view({1, 1, cmax}).ge(dev.narrow(0, r * cmax, r).view({r, 1, 1}));
-  const auto s = at::nan_to_num(bound, kInf, kInf, -kInf).masked_fill(padding, -kInf);
-  const auto kth = std::get<0>(at::topk(s, k, /*dim=*/-1, /*largest=*/true, /*sorted=*/true)).narrow(-1, k - 1, 1);
-  const auto above = s.gt(kth);
-  const auto tied = s.eq(kth);
-  const auto room = above.sum(-1, /*keepdim=*/true).neg().add(k);
-  const auto chosen = above.logical_or(tied.logical_and(tied.cumsum(-1).le(room)));  // k per (row, head)
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  const auto chosen = top_k_mask(at::nan_to_num(bound, kInf, kInf, -kInf).masked_fill(padding, -kInf), k);
   const auto top = std::get<1>(at::sort(chosen.logical_not().to(at::kByte), /*stable=*/true, /*dim=*/-1,
                                         /*descending=*/false))
                        .narrow(-1, 0, k);  // the chosen positions, ascending

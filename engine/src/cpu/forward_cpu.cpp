@@ -166,10 +166,12 @@ class CpuPath : public ForwardPath {
         const RowRound& rr = round_[i];
         const int64_t count = static_cast<int64_t>(rr.slots.size()), nseg = segments_[i];
         const int64_t tiles_of_row = s.plan.rows[i].num_units;
+        // Segment of the tile holding slot j: the largest s with s * T / S <= tile.
+        const auto segment_of = [&](int64_t j) { return ((rr.pos[j] / tb + 1) * nseg - 1) / tiles_of_row; };
         for (int64_t j0 = 0; j0 < count;) {
-          const int64_t seg = ((rr.pos[j0] / tb + 1) * nseg - 1) / tiles_of_row;
+          const int64_t seg = segment_of(j0);
           int64_t j1 = j0 + tb;
-          while (j1 < count && ((rr.pos[j1] / tb + 1) * nseg - 1) / tiles_of_row == seg) j1 += tb;
+          while (j1 < count && segment_of(j1) == seg) j1 += tb;
           j1 = std::min(j1, count);
           for (int64_t h0 = 0; h0 < kvh; h0 += per_task) tasks_.push_back({i, h0, per_task, 0, group, j0, j1, seg});
           j0 = j1;
