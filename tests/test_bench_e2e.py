@@ -72,3 +72,12 @@ def test_cli_rejects_a_zero_count_before_starting_anything() -> None:
     with pytest.raises(SystemExit) as exc:
         bench_e2e.main(["--new-tokens", "0"])
     assert exc.value.code == 2
+
+
+def test_compressed_dense_runs_the_first_layers_dense_on_the_real_geometry_only() -> None:
+    runs = bench_e2e.plan_runs(["compressed", "compressed-dense"], [128], bench_e2e.plan_cells([(8192, 8)], [], 8))
+    assert [r.options for r in runs[1:]] == [{"mode": "compressed"}, {"mode": "compressed", "dense_layers": 10}]
+    assert runs[2].label() == "ACTIVEKV compressed, block 128, dense_layers 10"
+    assert bench_e2e.column_name("compressed-dense", 16) == "compressed dense 10, block 16"
+    with pytest.raises(SystemExit):  # the tiny model has 2 layers: refused before any engine starts
+        bench_e2e.main(["--models", "tiny", "--configs", "compressed-dense"])

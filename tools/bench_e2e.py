@@ -16,7 +16,8 @@ backend:
   default options (on CPU: placement in place, no pool, blocks read where they are in vLLM's KV cache); `pool`,
   `{"placement": "pool"}` (the explicit pool of 256 blocks per layer: blocks copied into it, a batch's long
   contexts streaming through it every step); `pool-all`, a pool holding the largest cell's contexts;
-  `compressed`, `{"mode": "compressed"}` with its defaults.
+  `compressed`, `{"mode": "compressed"}` with its defaults; `compressed-dense`, the same with `dense_layers` 10 (the
+  first third of the real geometry's 30 layers attend every block: `docs/quality_policy.md`; real geometry only).
 Models: `tiny`, the tests' tiny random Llama (`tools/make_tiny_model.py`: 2 layers, 4 query heads, 2 KV heads, head
 size 32) copied to `build/tiny-llama-e2e` with `max_position_embeddings` raised to the context; `real`, a
 real-model-sized geometry with random weights (SmolLM2-135M's: 30 layers, 9 query heads, 3 KV heads (GQA 3), head
@@ -60,7 +61,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_BLOCK_SIZE = 128  # vLLM's default block size on CPU (vllm/platforms/cpu.py)
-CONFIGS = ("default", "pool", "pool-all", "compressed")
+CONFIGS = ("default", "pool", "pool-all", "compressed", "compressed-dense")
+DENSE_LAYERS = 10  # compressed-dense: the layers quality_policy.md measured dense
 MODELS = ("tiny", "real")
 DTYPES = ("float32", "bfloat16")
 # The real-model-sized geometry (SmolLM2-135M's, random weights; a small vocabulary saves unembedding time).
@@ -152,10 +154,11 @@ class Run:
             return CPU_ATTN_LABEL
         what = {"default": "default options (in place, no pool)",
                 "pool": "pool 256 blocks",
-                "compressed": "default options"}.get(self.config)
+                "compressed": "default options",
+                "compressed-dense": f"dense_layers {DENSE_LAYERS}"}.get(self.config)
         if self.config == "pool-all":
             what = f"pool {self.options['pool_blocks']} blocks (the batch's contexts)"  # type: ignore[index]
-        mode = "compressed" if self.config == "compressed" else "exact"
+        mode = "compressed" if self.config.startswith("compressed") else "exact"
         return f"ACTIVEKV {mode}, block {self.block}, {what}"
 
 
@@ -199,7 +202,8 @@ def plan_runs(configs: list[str], block_sizes: list[int], cells: list[Cell]) -> 
             # pool-all: every row's blocks, with room for the tokens a row decodes while later rows still prefill
             whole = max(c.batch * -(-(c.context + c.new_tokens + 64) // bs) for c in cells)
             options: dict[str, Any] = {"default": {}, "pool": {"placement": "pool"},
-                                       "compressed": {"mode": "compressed"}, "pool-all": {"pool_blocks": whole}}[config]
+                                       "compressed": {"mode": "compressed"}, "pool-all": {"pool_blocks": whole},
+                                       "compressed-dense": {"mode": "compressed", "dense_layers": DENSE_LAYERS}}[config]
             runs.append(Run(config, None if bs == CPU_BLOCK_SIZE else bs, options))
     return runs
 
@@ -361,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("new_tokens", "repeats", "rounds", "kv_cache_gib"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if "compressed-dense" in args.configs and (args.models is None or "tiny" in args.models):
+        parser.error(f"--configs compressed-dense needs a model of more than {DENSE_LAYERS} layers; the tiny model has 2 "
+                     "(use --real-configs compressed-dense)")
     legacy = args.context is not None or args.batch is not None
     if legacy:
         # The older form: one decode cell, the tiny model in float32, every legacy row, prefilled in one step.
@@ -445,7 +452,8 @@ def write_json(path: Path, result: dict) -> None:
 
 def column_name(config: str, block_size: int) -> str:
     """A table column's name for an ActiveKV configuration at a block size."""
-    name = {"default": "default", "pool": "pool 256", "pool-all": "pool all", "compressed": "compressed"}[config]
+    name = {"default": "default", "pool": "pool 256", "pool-all": "pool all", "compressed": "compressed",
+            "compressed-dense": f"compressed dense {DENSE_LAYERS}"}[config]
     return f"{name}, block {block_size}"
 
 
