@@ -27,7 +27,7 @@ CMAKE_CCACHE = $(if $(wildcard $(CCACHE)),-Ccmake.define.CMAKE_CXX_COMPILER_LAUN
 PYTEST_ARGS ?=
 PARITY_ARGS ?=
 
-.PHONY: help venv real-model build wheel wheel-compat audit intake test sanitize demo bench bench-e2e docs profile parity quality serve-load census proof patch-vllm unpatch-vllm gpu-check gpu-vllm-pack gpu-vllm-check gpu-vllm-bench cuda-check clean
+.PHONY: help venv real-model build wheel wheel-compat audit intake test sanitize demo bench bench-e2e bench-prefill docs profile parity quality serve-load census proof patch-vllm unpatch-vllm gpu-check gpu-vllm-pack gpu-vllm-check gpu-vllm-bench cuda-check clean
 
 help: ## list the targets
 	@echo "ActiveKV $(VERSION), for vLLM $(VLLM_VERSION) and torch $(TORCH_VERSION)"
@@ -105,6 +105,9 @@ bench: build patch-vllm ## print the decode attention benchmark table, float32 a
 
 bench-e2e: build patch-vllm ## vLLM end to end: decode tokens/s, TTFT, memory, ActiveKV defaults and pool vs CPU_ATTN (~35 min)
 	$(PY) -m tools.bench_e2e
+
+bench-prefill: build patch-vllm ## one layer's prefill attention: ActiveKV default vs CPU_ATTN and SDPA, real geometry (~3 min)
+	$(PY) -m tools.bench_prefill
 
 docs: venv ## render docs/benchmarks.md, its plots and README's results table from docs/data/*.json (tools/docs.py)
 	$(PY) -m tools.docs
