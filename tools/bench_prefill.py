@@ -207,12 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads < 1 or args.rounds < 1 or args.budget_s <= 0:
         parser.error("--threads and --rounds must be at least 1 and --budget-s above 0")
+    import platform
+
     import activekv._backend as backend  # after torch
+    import vllm
+
     from tools.bench import git_commit, machine_info
 
     result: dict[str, Any] = {"tool": "tools.bench_prefill", "date": time.strftime("%Y-%m-%d"),
                               "commit": git_commit(), "machine": machine_info(),
                               "command": " ".join(["python -m tools.bench_prefill", *(argv or sys.argv[1:])]),
+                              "versions": {"torch": torch.__version__, "vllm": vllm.__version__,
+                                           "python": platform.python_version(), "activekv": backend.__version__},
                               "threads": args.threads, "rows": []}
     for geometry in args.geometry:
         for dt in args.dtypes:

@@ -6,6 +6,8 @@
 Data (each file holds the command that measured it, the machine, the versions, the commit and the date):
 - docs/data/bench_cpu.json: `python -m tools.bench --json docs/data/bench_cpu.json` (`make bench`);
 - docs/data/bench_e2e.json: `python -m tools.bench_e2e ... --json docs/data/bench_e2e.json` (`make bench-e2e`);
+- docs/data/bench_prefill.json: `python -m tools.bench_prefill --json docs/data/bench_prefill.json`
+  (`make bench-prefill`);
 - docs/data/bench_gpu.json: the `gpu_bench.json` that `make gpu-check GPU_OUT=DIR` writes on a CUDA machine;
 - docs/data/bench_gpu_vllm.json: the `bench_gpu_vllm.json` that `make gpu-vllm-bench GPU_OUT=DIR` writes on the
   device (tools/bench_gpu_vllm.py); until it is committed, its section says "not yet measured".
@@ -323,6 +325,33 @@ def e2e_section(e2e: dict[str, Any]) -> list[str]:
     ]
 
 
+def prefill_section(pre: dict[str, Any]) -> list[str]:
+    from tools import bench_prefill
+
+    rows = pre["rows"]
+    akv = list(dict.fromkeys(n for r in rows for n in r["ms"] if n.startswith("ActiveKV")))
+    ratios = {n: [r["ms"][n] / r["ms"]["CPU_ATTN, block 128"] for r in rows] for n in akv}
+    geometries = ", ".join(f"`{g}` ({h} query heads, {k} KV heads, head size {d})"
+                           for g, (h, k, d) in bench_prefill.GEOMETRIES.items() if any(r["geometry"] == g for r in rows))
+    return [
+        "## CPU prefill attention, one layer", "",
+        "One attention layer's prefill chunk, one request, causal: `L@C` is a chunk of L query tokens at the end of a "
+        "context of C tokens (vLLM on CPU prefills a prompt in chunks of 4096 tokens: a 7k prompt's second chunk is "
+        "3072@7168). ActiveKV's default options (in place) through `Builder.build`, `Impl.do_kv_cache_update` and "
+        "`Impl.forward`, against CPU_ATTN's ops as cpu_attn.py calls them (block 128) and SDPA (first chunks only), "
+        f"timed in turns, {pre['threads']} intra-op threads; cells are the median ms over the rounds. ActiveKV's time "
+        "over CPU_ATTN's: " + ", ".join(f"{n.removeprefix('ActiveKV default, ')} {_range(v)}" for n, v in ratios.items())
+        + " (below 1.00x: faster).", "",
+        f"- command: `{pre['command']}` (`make bench-prefill` runs the defaults)",
+        f"- machine: {pre['machine']['cpu']}, {pre['machine']['nproc']} cores, load average "
+        f"{pre['machine']['load_average'][0]:.2f} at start; "
+        + ", ".join(f"{k} {v}" for k, v in pre["versions"].items()) + f"; commit {pre['commit']}; data `docs/data/bench_prefill.json`",
+        f"- geometry: {geometries}; synthetic seeded data; max diff: the largest difference of any column from SDPA "
+        "(from CPU_ATTN where SDPA does not run)", "",
+        *bench_prefill.table(rows).splitlines(),
+    ]
+
+
 def e2e_plot(e2e: dict[str, Any], path: Path) -> None:
     """ActiveKV over CPU_ATTN per cell: decode tokens/s ratios (left) and TTFT ratios (right), a marker per
     ActiveKV configuration, the line at 1.0 = CPU_ATTN."""
@@ -537,6 +566,7 @@ def gpu_vllm_section(data: dict[str, Any] | None) -> list[str]:
 def benchmarks_page() -> str:
     cpu, e2e, gpu = load("bench_cpu.json"), load("bench_e2e.json"), load("bench_gpu.json")
     gpu_vllm = load_optional(GPU_VLLM_DATA)
+    pre = load_optional("bench_prefill.json")
     lines = [
         "# Benchmarks", "", GENERATED, "",
         "Each section says what its benchmark measures, the command, the machine, then the current table and a plot. "
@@ -552,7 +582,7 @@ def benchmarks_page() -> str:
         "| [vLLM end to end, GPU](#vllm-end-to-end-gpu) | `make gpu-vllm-bench` | "
         + (f"{gpu_vllm.get('device', {}).get('name', '?')} (device tool) |" if gpu_vllm
            else "NVIDIA H200 (device tool): not yet measured |"), "",
-        *cpu_section(cpu), "", *e2e_section(e2e), "", *gpu_section(gpu), "", *gpu_vllm_section(gpu_vllm), "",
+        *cpu_section(cpu), "", *([*prefill_section(pre), ""] if pre else []), *e2e_section(e2e), "", *gpu_section(gpu), "", *gpu_vllm_section(gpu_vllm), "",
         "## Tried and not kept", "",
         "Measured, then left out; the commits that tried them hold the figures.", "",
         *(f"- {item}" for item in NOT_KEPT),
