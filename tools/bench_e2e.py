@@ -366,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if "compressed-dense" in args.configs and (args.models is None or "tiny" in args.models):
-        parser.error(f"--configs compressed-dense needs a model of more than {DENSE_LAYERS} layers; the tiny model has 2 "
-                     "(use --real-configs compressed-dense)")
+        parser.error(f"--configs compressed-dense needs a model of more than {DENSE_LAYERS} layers; the tiny model "
+                     "has 2 (use --real-configs compressed-dense)")
     legacy = args.context is not None or args.batch is not None
     if legacy:
         # The older form: one decode cell, the tiny model in float32, every legacy row, prefilled in one step.

@@ -51,7 +51,8 @@ class Chunk:
     def __init__(self, heads: int, kv_heads: int, head_size: int, tokens: int, context: int, dtype: torch.dtype,
                  seed: int = 0):
         gen = torch.Generator().manual_seed(seed)
-        self.heads, self.kv_heads, self.head_size, self.tokens, self.context = heads, kv_heads, head_size, tokens, context
+        self.heads, self.kv_heads, self.head_size = heads, kv_heads, head_size
+        self.tokens, self.context = tokens, context
         self.key = torch.randn((context, kv_heads, head_size), generator=gen).to(dtype)
         self.value = torch.randn((context, kv_heads, head_size), generator=gen).to(dtype)
         self.query = torch.randn((tokens, heads, head_size), generator=gen).to(dtype)

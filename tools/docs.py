@@ -332,8 +332,9 @@ def prefill_section(pre: dict[str, Any]) -> list[str]:
     rows = pre["rows"]
     akv = list(dict.fromkeys(n for r in rows for n in r["ms"] if n.startswith("ActiveKV")))
     ratios = {n: [r["ms"][n] / r["ms"]["CPU_ATTN, block 128"] for r in rows] for n in akv}
+    measured = {r["geometry"] for r in rows}
     geometries = ", ".join(f"`{g}` ({h} query heads, {k} KV heads, head size {d})"
-                           for g, (h, k, d) in bench_prefill.GEOMETRIES.items() if any(r["geometry"] == g for r in rows))
+                           for g, (h, k, d) in bench_prefill.GEOMETRIES.items() if g in measured)
     return [
         "## CPU prefill attention, one layer", "",
         "One attention layer's prefill chunk, one request, causal: `L@C` is a chunk of L query tokens at the end of a "
@@ -341,12 +342,14 @@ def prefill_section(pre: dict[str, Any]) -> list[str]:
         "3072@7168). ActiveKV's default options (in place) through `Builder.build`, `Impl.do_kv_cache_update` and "
         "`Impl.forward`, against CPU_ATTN's ops as cpu_attn.py calls them (block 128) and SDPA (first chunks only), "
         f"timed in turns, {pre['threads']} intra-op threads; cells are the median ms over the rounds. ActiveKV's time "
-        "over CPU_ATTN's: " + ", ".join(f"{n.removeprefix('ActiveKV default, ')} {_range(v)}" for n, v in ratios.items())
+        "over CPU_ATTN's: "
+        + ", ".join(f"{n.removeprefix('ActiveKV default, ')} {_range(v)}" for n, v in ratios.items())
         + " (below 1.00x: faster).", "",
         f"- command: `{pre['command']}` (`make bench-prefill` runs the defaults)",
         f"- machine: {pre['machine']['cpu']}, {pre['machine']['nproc']} cores, load average "
         f"{pre['machine']['load_average'][0]:.2f} at start; "
-        + ", ".join(f"{k} {v}" for k, v in pre["versions"].items()) + f"; commit {pre['commit']}; data `docs/data/bench_prefill.json`",
+        + ", ".join(f"{k} {v}" for k, v in pre["versions"].items())
+        + f"; commit {pre['commit']}; data `docs/data/bench_prefill.json`",
         f"- geometry: {geometries}; synthetic seeded data; max diff: the largest difference of any column from SDPA "
         "(from CPU_ATTN where SDPA does not run)", "",
         *bench_prefill.table(rows).splitlines(),
