@@ -220,48 +220,64 @@ def cpu_attn_column(case: Case, block_size: int) -> tuple[Callable[[], None], to
     return step, out
 
 
-def activekv_column(case: Case, backend: Any, options: dict[str, Any],
-                    block_size: int = BLOCK_SIZE) -> tuple[Callable[[], None], torch.Tensor]:
-    """ActiveKV through its vLLM-facing objects, called as vLLM's patched backend calls them for one layer:
-    `Builder.build` on a CommonAttentionMetadata stand-in, `Impl.do_kv_cache_update`, `Impl.forward`, with the KV
-    cache in blocks of `block_size` tokens. `options` go to `additional_config["activekv"]` (tile_blocks is
-    TILE_BLOCKS)."""
+def activekv_layer(backend: Any, heads: int, kv_heads: int, head_size: int, dtype: torch.dtype, block_size: int,
+                   num_blocks: int, max_seqs: int, options: dict[str, Any]) -> tuple[Any, Any, Any, torch.Tensor]:
+    """One attention layer of ActiveKV as vLLM's patched backend makes it: (builder, impl, layer, kv_cache). The
+    layer is a stand-in holding the native Impl (the patch's ActiveKVImpl); the config, what vLLM sets before it makes
+    the builders (the scheduler's rows, the cache's blocks, `additional_config["activekv"]` = `options`); kv_cache,
+    vLLM's per-layer view [num_blocks, kv_heads, block_size, 2 * head_size] (ActiveKV reads it as
+    [num_blocks, kv_heads, 2, block_size, head_size]), zeros."""
     from types import SimpleNamespace
 
-    block_table = case.block_table(block_size)
-    slots = case.slot_mapping(block_table, block_size)
-    num_blocks = block_table.numel()
-    spec = SimpleNamespace(block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=case.dtype,
+    spec = SimpleNamespace(block_size=block_size, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype,
                            sliding_window=None)
-    impl = backend.Impl(NUM_HEADS, HEAD_SIZE, case.scale, NUM_KV_HEADS)
-    # the attention layer as vLLM registers it: its impl (the patch's ActiveKVImpl) holds the native Impl
+    impl = backend.Impl(heads, head_size, head_size**-0.5, kv_heads)
     layer = SimpleNamespace(layer_name="bench.layers.0.attn", impl=SimpleNamespace(_native=impl))
-    config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: NUM_HEADS),
-                             parallel_config=None,
-                             # what vLLM sets before it makes the builders: the scheduler's rows, the cache's blocks
-                             scheduler_config=SimpleNamespace(max_num_seqs=case.batch),
+    config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: heads),
+                             parallel_config=None, scheduler_config=SimpleNamespace(max_num_seqs=max_seqs),
                              cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
                              compilation_config=SimpleNamespace(static_forward_context={layer.layer_name: layer}),
-                             additional_config={"activekv": {**options, "tile_blocks": TILE_BLOCKS}})
+                             additional_config={"activekv": options})
     builder = backend.Builder(spec, [layer.layer_name], config, torch.device("cpu"))
-    # vLLM's LBHNC per-layer view [num_blocks, num_kv_heads, block_size, 2 * head_size]; ActiveKV reads it as
-    # [num_blocks, num_kv_heads, 2, block_size, head_size].
-    kv_cache = torch.zeros((num_blocks, NUM_KV_HEADS, block_size, 2 * HEAD_SIZE), dtype=case.dtype)
-    impl.do_kv_cache_update(layer, case.key, case.value, kv_cache, slots)
-    last = case.last_rows()
-    new_key, new_value, new_slots = case.key[last], case.value[last], slots[last]
-    query_start_loc, seq_lens = case.decode_metadata()
+    kv_cache = torch.zeros((num_blocks, kv_heads, block_size, 2 * head_size), dtype=dtype)
+    return builder, impl, layer, kv_cache
+
+
+def activekv_step(builder: Any, impl: Any, layer: Any, kv_cache: torch.Tensor, query: torch.Tensor,
+                  key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_table: torch.Tensor) -> tuple[Callable[[], None], torch.Tensor]:
+    """One step of the layer as vLLM calls it: `Builder.build` on a CommonAttentionMetadata stand-in,
+    `Impl.do_kv_cache_update` of the step's new `key`/`value` into `slots`, `Impl.forward`; returns (step, out)."""
+    from types import SimpleNamespace
+
     metadata = SimpleNamespace(query_start_loc_cpu=query_start_loc, query_start_loc=query_start_loc,
-                               seq_lens=seq_lens, block_table_tensor=block_table, num_reqs=case.batch,
-                               num_actual_tokens=case.batch, causal=True)
-    out = torch.empty_like(case.query)
+                               seq_lens=seq_lens, block_table_tensor=block_table, num_reqs=seq_lens.numel(),
+                               num_actual_tokens=query.shape[0], causal=True)
+    out = torch.empty_like(query)
 
     def step() -> None:
         plan = builder.build(0, metadata)
-        impl.do_kv_cache_update(layer, new_key, new_value, kv_cache, new_slots)
-        impl.forward(layer, case.query, new_key, new_value, kv_cache, plan, out)
+        impl.do_kv_cache_update(layer, key, value, kv_cache, slots)
+        impl.forward(layer, query, key, value, kv_cache, plan, out)
 
     return step, out
+
+
+def activekv_column(case: Case, backend: Any, options: dict[str, Any],
+                    block_size: int = BLOCK_SIZE) -> tuple[Callable[[], None], torch.Tensor]:
+    """ActiveKV through its vLLM-facing objects (activekv_layer, activekv_step) for one decode step, with the KV
+    cache in blocks of `block_size` tokens. `options` go to `additional_config["activekv"]` (tile_blocks is
+    TILE_BLOCKS)."""
+    block_table = case.block_table(block_size)
+    slots = case.slot_mapping(block_table, block_size)
+    builder, impl, layer, kv_cache = activekv_layer(
+        backend, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, case.dtype, block_size, block_table.numel(), case.batch,
+        {**options, "tile_blocks": TILE_BLOCKS})
+    impl.do_kv_cache_update(layer, case.key, case.value, kv_cache, slots)
+    last = case.last_rows()
+    query_start_loc, seq_lens = case.decode_metadata()
+    return activekv_step(builder, impl, layer, kv_cache, case.query, case.key[last], case.value[last], slots[last],
+                         query_start_loc, seq_lens, block_table)
 
 
 def exact_options(case: Case, pool_fraction: int, kernel: str = "native",

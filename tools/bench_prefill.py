@@ -25,7 +25,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -73,34 +72,17 @@ class Chunk:
 
 
 def activekv_column(c: Chunk, backend: Any, block_size: int) -> tuple[Callable[[], None], torch.Tensor]:
+    from tools.bench import activekv_layer, activekv_step
+
     table = c.block_table(block_size)
     slots = c.slots(table, block_size)
-    blocks = table.numel()
-    spec = SimpleNamespace(block_size=block_size, num_kv_heads=c.kv_heads, head_size=c.head_size, dtype=c.key.dtype,
-                           sliding_window=None)
-    impl = backend.Impl(c.heads, c.head_size, c.scale, c.kv_heads)
-    layer = SimpleNamespace(layer_name="bench.layers.0.attn", impl=SimpleNamespace(_native=impl))
-    config = SimpleNamespace(model_config=SimpleNamespace(get_num_attention_heads=lambda parallel_config: c.heads),
-                             parallel_config=None, scheduler_config=SimpleNamespace(max_num_seqs=1),
-                             cache_config=SimpleNamespace(num_gpu_blocks=blocks),
-                             compilation_config=SimpleNamespace(static_forward_context={layer.layer_name: layer}),
-                             additional_config={"activekv": {}})
-    builder = backend.Builder(spec, [layer.layer_name], config, torch.device("cpu"))
-    kv_cache = torch.zeros((blocks, c.kv_heads, block_size, 2 * c.head_size), dtype=c.key.dtype)
+    builder, impl, layer, kv_cache = activekv_layer(backend, c.heads, c.kv_heads, c.head_size, c.key.dtype,
+                                                    block_size, table.numel(), 1, {})
     impl.do_kv_cache_update(layer, c.key, c.value, kv_cache, slots)  # the context before the chunk
     first = c.context - c.tokens
-    new_key, new_value, new_slots = c.key[first:], c.value[first:], slots[first:]
     qsl, seq_lens = c.metadata()
-    metadata = SimpleNamespace(query_start_loc_cpu=qsl, query_start_loc=qsl, seq_lens=seq_lens,
-                               block_table_tensor=table, num_reqs=1, num_actual_tokens=c.tokens, causal=True)
-    out = torch.empty_like(c.query)
-
-    def step() -> None:
-        plan = builder.build(0, metadata)
-        impl.do_kv_cache_update(layer, new_key, new_value, kv_cache, new_slots)
-        impl.forward(layer, c.query, new_key, new_value, kv_cache, plan, out)
-
-    return step, out
+    return activekv_step(builder, impl, layer, kv_cache, c.query, c.key[first:], c.value[first:], slots[first:],
+                         qsl, seq_lens, table)
 
 
 def cpu_attn_column(c: Chunk) -> tuple[Callable[[], None], torch.Tensor]:
