@@ -485,6 +485,12 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    """A bench's rows and provenance as JSON (docs/data/ holds the committed ones), its folder made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+
+
 def git_commit() -> str:
     """The checkout's commit, with `-dirty` when tracked files differ from it ("unknown" outside git)."""
     try:
@@ -541,8 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         "columns": list(COLUMNS), "elapsed_s": time.perf_counter() - started, "rows": rows}
     print(markdown(result), end="")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
     return 0
 
 

@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     args.models = args.models or (["tiny"] if legacy else list(MODELS))
     args.dtypes = args.dtypes or (["float32"] if legacy else list(DTYPES))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from tools.bench import git_commit, machine_info
+    from tools.bench import git_commit, machine_info, write_json
 
     machine = machine_info()  # the load average at start, before the engines load the machine
     import torch
@@ -441,11 +441,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         write_json(args.json, result)
     return 0
-
-
-def write_json(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 # --- tables (tools/docs.py renders these into docs/benchmarks.md) ------------------------------------------------

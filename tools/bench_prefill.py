@@ -20,7 +20,6 @@ CPU_ATTN where SDPA does not run) is printed so that a fast but wrong column sho
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     import activekv._backend as backend  # after torch
     import vllm
 
-    from tools.bench import git_commit, machine_info
+    from tools.bench import git_commit, machine_info, write_json
 
     result: dict[str, Any] = {"tool": "tools.bench_prefill", "date": time.strftime("%Y-%m-%d"),
                               "commit": git_commit(), "machine": machine_info(),
@@ -212,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                       + ", ".join(f"{n} {v:.2f} ms" for n, v in row["ms"].items()), file=sys.stderr, flush=True)
     print(table(result["rows"]), end="")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.json, result)
     return 0
 
 
