@@ -355,6 +355,7 @@ def test_mapped_gather_moves_index_selects_bytes(block: tuple[int, ...], dtype: 
         monkeypatch.delenv("ACTIVEKV_GATHER_CTAS", raising=False)
     else:
         monkeypatch.setenv("ACTIVEKV_GATHER_CTAS", ctas)
+    monkeypatch.setenv("ACTIVEKV_DMA_MIN_BYTES", str(1 << 50))  # the kernel whatever the runs (copy engines aside)
     assert transfer.mapped_gather_ctas() > 0  # make gpu-check's build has the kernel
     if ctas is not None:
         assert transfer.mapped_gather_ctas() == int(ctas)
@@ -373,6 +374,61 @@ def test_mapped_gather_moves_index_selects_bytes(block: tuple[int, ...], dtype: 
         assert torch.equal(dst[slots].cpu().view(torch.uint8), want.view(torch.uint8))
         untouched = sorted(set(range(256)) - set(slots))
         assert not dst[untouched].view(torch.uint8).any()
+
+
+@pytest.mark.parametrize("block,dtype,offset,kernel", GATHER_CASES)
+def test_mapped_copy_engines_move_index_selects_bytes(block: tuple[int, ...], dtype: torch.dtype, offset: int,
+                                                      kernel: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ACTIVEKV_DMA_MIN_BYTES=0: every batch goes to the copy engines (one cudaMemcpyBatchAsync of its runs of
+    consecutive source blocks) whatever the block size or alignment, and lands exactly index_select's bytes with no
+    gather kernel: one run of 200 blocks, runs of 3, 2 and 1 with repeats and the last block, descending ids (runs of
+    one)."""
+    import activekv._transfer as transfer
+
+    monkeypatch.setenv("ACTIVEKV_DMA_MIN_BYTES", "0")
+    assert transfer.mapped_dma_min_bytes() == 0  # make gpu-check's CUDA 13 build has the copy-engine batch
+    rng = random.Random(11)
+    src = _random_blocks(300, block, dtype, offset)
+    dst = torch.zeros(256, *block, dtype=dtype, device="cuda")
+    stream = torch.cuda.Stream()
+    for ids in (list(range(40, 240)), [5, 6, 7, 100, 101, 3, 3, 299], list(range(299, -1, -2))):
+        slots = rng.sample(range(256), len(ids))
+        dst.zero_()
+        launches = _gather_kernel_launches(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
+        assert launches == 0, (block, offset, launches)
+        want = src.index_select(0, torch.tensor(ids))
+        assert torch.equal(dst[slots].cpu().view(torch.uint8), want.view(torch.uint8))
+        untouched = sorted(set(range(256)) - set(slots))
+        assert not dst[untouched].view(torch.uint8).any()
+
+
+def test_mapped_copy_takes_the_copy_engines_for_long_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the default threshold (1 MiB per run), 64 blocks of 16 KiB in order (one run of 1 MiB) go to the copy
+    engines and 64 scattered ones (runs of one block) to the gather kernel; both land index_select's bytes."""
+    import activekv._transfer as transfer
+
+    monkeypatch.delenv("ACTIVEKV_DMA_MIN_BYTES", raising=False)
+    assert transfer.mapped_dma_min_bytes() == 1 << 20
+    src = _random_blocks(300, (2, 2, 16, 128), torch.bfloat16, 0)
+    dst = torch.zeros(64, 2, 2, 16, 128, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    for ids, launches_want in ((list(range(100, 164)), 0), (list(range(0, 256, 4)), 1)):
+        slots = list(range(63, -1, -1))
+        launches = _gather_kernel_launches(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
+        assert launches == launches_want, (ids[:3], launches)
+        assert torch.equal(dst[slots].cpu().view(torch.uint8), src.index_select(0, torch.tensor(ids)).view(torch.uint8))
+
+
+@pytest.mark.parametrize("value", ["-1", "32x", "", str((1 << 50) + 1)])
+def test_dma_min_bytes_out_of_range_is_the_default(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import activekv._transfer as transfer
+
+    monkeypatch.delenv("ACTIVEKV_DMA_MIN_BYTES", raising=False)
+    default = transfer.mapped_dma_min_bytes()
+    monkeypatch.setenv("ACTIVEKV_DMA_MIN_BYTES", value)
+    assert transfer.mapped_dma_min_bytes() == default
+    monkeypatch.setenv("ACTIVEKV_DMA_MIN_BYTES", "0")
+    assert transfer.mapped_dma_min_bytes() == 0
 
 
 @pytest.mark.parametrize("value", ["0", "1025", "-4", "32x", ""])

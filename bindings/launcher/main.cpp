@@ -183,6 +183,8 @@ const char* const kEnvironmentHelp =
     "                               split; unset: the plan's own choice\n"
     "  ACTIVEKV_GATHER_CTAS=N       CUDA thread blocks of the pool's host-to-device block gather (1..1024), for\n"
     "                               measuring it; unset: 32\n"
+    "  ACTIVEKV_DMA_MIN_BYTES=N     mean bytes per run of consecutive host-tier blocks from which that copy uses the\n"
+    "                               copy engines instead (0 always, 2^50 never); unset: 1048576\n"
     "  ATEN_CPU_CAPABILITY=CAP      caps the CPU kernel's instruction set (default, avx2, avx512) as it caps ATen's\n"
     "  VLLM_PLUGINS                 serve and run-batch add activekv to it (see `activekv plugins`)\n";
 

@@ -17,10 +17,16 @@ PYBIND11_MODULE(_transfer, m) {
         "queued. ValueError if src is not pinned CPU memory or dst is not on copy_stream's device.");
   m.def("copy_blocks_mapped", &activekv::copy_blocks_mapped, py::arg("src"), py::arg("dst"), py::arg("src_ids"),
         py::arg("dst_ids"), py::arg("copy_stream"), py::call_guard<py::gil_scoped_release>(),
-        "copy_blocks from pinned CPU src to CUDA dst: one gather kernel on copy_stream reads the blocks straight from "
-        "pinned host memory (unified addressing; 16-byte loads when a block is a multiple of 16 bytes), the current "
-        "stream waits on it, then scatters. Returns bytes copied once queued. Same errors as copy_blocks_staged.");
+        "copy_blocks from pinned CPU src to CUDA dst, read straight from pinned host memory on copy_stream: the copy "
+        "engines (one cudaMemcpyBatchAsync of the runs of consecutive source blocks) where the runs average at least "
+        "mapped_dma_min_bytes(), else one gather kernel (unified addressing; 16-byte loads when a block is a multiple "
+        "of 16 bytes); the current stream waits on it, then scatters. Returns bytes copied once queued. Same errors "
+        "as copy_blocks_staged, and ValueError if src or dst is not contiguous.");
   m.def("mapped_gather_ctas", &activekv::mapped_gather_ctas,
         "CTAs of copy_blocks_mapped's CUDA gather kernel at the next call (ACTIVEKV_GATHER_CTAS, 1..1024, or the "
         "default); 0 in a build without the kernel (copy_blocks_mapped then uses index_select).");
+  m.def("mapped_dma_min_bytes", &activekv::mapped_dma_min_bytes,
+        "Mean bytes per run of consecutive source blocks from which copy_blocks_mapped's next call uses the copy "
+        "engines (ACTIVEKV_DMA_MIN_BYTES, 0 .. 2**50, or the default); -1 in a build without them (CUDA before 12.8, "
+        "or no CUDA).");
 }

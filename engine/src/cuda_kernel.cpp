@@ -43,4 +43,14 @@ CudaGatherFn& gather_slot() {
 CudaGatherFn cuda_gather() { return gather_slot(); }
 void register_cuda_gather(CudaGatherFn fn) { gather_slot() = fn; }
 
+namespace {
+CudaCopyRunsFn& copy_runs_slot() {
+  static CudaCopyRunsFn fn = nullptr;
+  return fn;
+}
+}  // namespace
+
+CudaCopyRunsFn cuda_copy_runs() { return copy_runs_slot(); }
+void register_cuda_copy_runs(CudaCopyRunsFn fn) { copy_runs_slot() = fn; }
+
 }  // namespace activekv

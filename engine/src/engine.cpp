@@ -398,7 +398,7 @@ std::vector<int64_t> Engine::admit_unit(LayerState& L, const at::Tensor& host, U
         host_write_pending_ = false;
       }
       bytes = config_.transfer == Transfer::kMapped
-                  ? copy_blocks_mapped(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy_stream_)
+                  ? copy_blocks_mapped_unchecked(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy_stream_)
                   : copy_blocks_staged(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy_stream_);
     } else {
       bytes = copy_blocks(host, L.pool, adm.miss_blocks, adm.miss_slots);

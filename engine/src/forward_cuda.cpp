@@ -131,8 +131,12 @@ class CudaPath : public AtenPath {
                    int64_t n, int64_t first_query_pos, int64_t lq) {
     CudaAttendArgs a;
     a.pool = s.kv;
-    a.slots = index_tensor(slots, device_);
-    a.pos = index_tensor(pos, device_);
+    // Slots and positions in one index (one pinned buffer, one copy): per tile, host time is the streamed step's cost.
+    std::vector<int64_t> both(slots);
+    both.insert(both.end(), pos.begin(), pos.end());
+    const auto dev = index_tensor(both, device_);
+    a.slots = dev.narrow(0, 0, static_cast<int64_t>(slots.size()));
+    a.pos = dev.narrow(0, static_cast<int64_t>(slots.size()), static_cast<int64_t>(pos.size()));
     a.n = n;
     a.first_query_pos = first_query_pos;
     a.num_q = lq;

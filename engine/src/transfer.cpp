@@ -11,7 +11,9 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <tuple>
 #include <unordered_set>
+#include <utility>
 
 namespace activekv {
 
@@ -74,9 +76,10 @@ void check_tiered(const at::Tensor& src, const at::Tensor& dst, const c10::Strea
                   "dst must be on the copy stream's CUDA device ", copy_stream.device(), ", got ", dst.device());
 }
 
-// The compute stream waits for the copy stream's work so far; `buffer` (allocated on the copy stream) is recorded on
-// the compute stream, then scattered into dst there.
-void finish_on_compute(const at::Tensor& dst, const std::vector<int64_t>& dst_ids, const at::Tensor& buffer,
+// Called on the compute stream (the current one, outside any guard of the copy stream): it waits for the copy stream's
+// work so far; `buffer` (allocated on the copy stream) and `dst_ids` (a device index, queued on the copy stream) are
+// recorded on it, then buffer is scattered into dst there.
+void finish_on_compute(const at::Tensor& dst, const at::Tensor& dst_ids, const at::Tensor& buffer,
                        const c10::Stream& copy_stream) {
   c10::impl::VirtualGuardImpl impl(dst.device().type());
   const c10::Stream compute = impl.getStream(dst.device());
@@ -84,56 +87,131 @@ void finish_on_compute(const at::Tensor& dst, const std::vector<int64_t>& dst_id
   copied.record(copy_stream);
   copied.block(compute);
   impl.recordDataPtrOnStream(buffer.storage().data_ptr(), compute);
+  impl.recordDataPtrOnStream(dst_ids.storage().data_ptr(), compute);
   auto shape = dst.sizes().vec();
   shape[0] = -1;
-  dst.index_copy_(0, index_tensor(dst_ids, dst.device()), buffer.view(dst.scalar_type()).view(shape));
+  dst.index_copy_(0, dst_ids, buffer.view(dst.scalar_type()).view(shape));
+}
+
+// An environment override read at each call (a benchmark sweeps it): the value when it is an integer in [lo, hi],
+// else `fallback`.
+int64_t env_int(const char* name, int64_t lo, int64_t hi, int64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  const long long x = std::strtoll(v, &end, 10);
+  return end != v && *end == '\0' && x >= lo && x <= hi ? x : fallback;
+}
+
+// Runs of consecutive source blocks: src_ids[i] == src_ids[i - 1] + 1 continues a run.
+int64_t count_runs(const std::vector<int64_t>& ids) {
+  int64_t runs = ids.empty() ? 0 : 1;
+  for (size_t i = 1; i < ids.size(); ++i) runs += ids[i] != ids[i - 1] + 1;
+  return runs;
+}
+
+// The ids as one device index on the copy stream: src_ids first (for the gather kernel; omitted when `with_src` is
+// false), then dst_ids (for the scatter on the compute stream). One pinned buffer, one non-blocking copy.
+at::Tensor copy_ids(const std::vector<int64_t>& src_ids, const std::vector<int64_t>& dst_ids, bool with_src,
+                    at::Device device) {
+  std::vector<int64_t> ids;
+  ids.reserve((with_src ? src_ids.size() : 0) + dst_ids.size());
+  if (with_src) ids.insert(ids.end(), src_ids.begin(), src_ids.end());
+  ids.insert(ids.end(), dst_ids.begin(), dst_ids.end());
+  return index_tensor(ids, device);
 }
 }  // namespace
 
 int64_t mapped_gather_ctas() {
   if (cuda_gather() == nullptr) return 0;
-  // ACTIVEKV_GATHER_CTAS (1..1024), read at each call so a benchmark can sweep it; unset or out of range: the default.
-  const char* v = std::getenv("ACTIVEKV_GATHER_CTAS");
-  if (v == nullptr) return kCudaGatherCtas;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  return end != v && *end == '\0' && x >= 1 && x <= 1024 ? x : kCudaGatherCtas;
+  // ACTIVEKV_GATHER_CTAS (1..1024); unset or out of range: the default.
+  return env_int("ACTIVEKV_GATHER_CTAS", 1, 1024, kCudaGatherCtas);
+}
+
+int64_t mapped_dma_min_bytes() {
+  if (cuda_copy_runs() == nullptr) return -1;
+  // ACTIVEKV_DMA_MIN_BYTES (0 .. 2^50: 0 always, a huge value never); unset or out of range: the default.
+  return env_int("ACTIVEKV_DMA_MIN_BYTES", 0, int64_t{1} << 50, kCudaDmaMinBytes);
 }
 
 int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                            const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream) {
   check_copy(src, dst, src_ids, dst_ids);
   check_tiered(src, dst, copy_stream);
+  return copy_blocks_mapped_unchecked(src, dst, src_ids, dst_ids, copy_stream);
+}
+
+namespace {
+// copy_blocks_mapped's read over the bus on the current stream (the copy stream, set by the caller): the blocks into a
+// new device buffer [n, row_bytes]. Returns {buffer, ids}, ids a device index ending with dst_ids.
+std::pair<at::Tensor, at::Tensor> read_mapped(const at::Tensor& src, const at::Tensor& dst,
+                                              const std::vector<int64_t>& src_ids,
+                                              const std::vector<int64_t>& dst_ids, int64_t row_bytes) {
+  const auto n = static_cast<int64_t>(src_ids.size());
+  at::Tensor gathered, ids;
+  // The copy engines, where the blocks come in runs long enough for them (mapped_dma_min_bytes): one descriptor per
+  // run of consecutive source blocks, into consecutive rows of the buffer.
+  const int64_t dma_min = mapped_dma_min_bytes();
+  if (dma_min >= 0 && n * row_bytes / count_runs(src_ids) >= dma_min) {  // mean bytes per run (no overflow)
+    gathered = at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
+    CudaCopyRunsArgs runs;
+    runs.device = dst.device().index();
+    auto* from = static_cast<char*>(src.data_ptr());
+    auto* to = static_cast<char*>(gathered.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      if (i > 0 && src_ids[i] == src_ids[i - 1] + 1) {
+        runs.bytes.back() += static_cast<size_t>(row_bytes);
+        continue;
+      }
+      runs.src.push_back(from + src_ids[i] * row_bytes);
+      runs.dst.push_back(to + i * row_bytes);
+      runs.bytes.push_back(static_cast<size_t>(row_bytes));
+    }
+    if (cuda_copy_runs()(runs)) ids = copy_ids(src_ids, dst_ids, /*with_src=*/false, dst.device());
+  }
+  if (!ids.defined()) {
+    ids = copy_ids(src_ids, dst_ids, /*with_src=*/true, dst.device());
+    const auto src_dev = ids.narrow(0, 0, n);
+    const int64_t ctas = mapped_gather_ctas();
+    if (ctas > 0 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src.data_ptr()) % 16 == 0) {
+      // The gather kernel (cuda_kernel.h CudaGatherArgs): 16-byte loads, many in flight, over the host tier's device
+      // mapping (the pinned pointer itself; src outlives the kernel: the engine holds its bound host tier, a caller
+      // holds src).
+      gathered = at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
+      CudaGatherArgs args;
+      args.src = src.data_ptr();
+      args.ids = src_dev;
+      args.dst = gathered;
+      args.row_bytes = row_bytes;
+      args.ctas = ctas;
+      cuda_gather()(args);
+    } else {
+      // Without the kernel, or rows not 16-byte aligned: index_select over the same mapping, in words of 8 bytes when
+      // a block allows it (fewer, wider reads over the bus), else bytes.
+      const auto word = row_bytes % 8 == 0 ? at::kLong : at::kByte;
+      const int64_t row_words = row_bytes / (word == at::kLong ? 8 : 1);
+      auto mapped = at::from_blob(src.data_ptr(), {src.size(0), row_words}, [](void*) {},
+                                  at::TensorOptions().dtype(word).device(dst.device()));
+      gathered = mapped.index_select(0, src_dev);  // reads host memory in the kernel
+    }
+  }
+  return {gathered, ids};
+}
+}  // namespace
+
+int64_t copy_blocks_mapped_unchecked(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
+                                     const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream) {
+  // Addresses below are computed from the blocks' positions: cheap to check, fatal to get wrong.
   AKV_CHECK_VALUE(src.is_contiguous() && dst.is_contiguous(), "src and dst must be contiguous");
   if (src_ids.empty()) return 0;
   const int64_t row_bytes = src.numel() / std::max<int64_t>(src.size(0), 1) * src.element_size();
   const auto n = static_cast<int64_t>(src_ids.size());
-  at::Tensor gathered;
-  const int64_t ctas = mapped_gather_ctas();
-  if (ctas > 0 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src.data_ptr()) % 16 == 0) {
-    // The gather kernel (cuda_kernel.h CudaGatherArgs): 16-byte loads, many in flight, over the host tier's device
-    // mapping (the pinned pointer itself; src outlives the kernel: the engine holds its bound host tier, a caller
-    // holds src).
-    c10::StreamGuard guard(copy_stream);
-    gathered = at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
-    CudaGatherArgs args;
-    args.src = src.data_ptr();
-    args.ids = index_tensor(src_ids, dst.device());
-    args.dst = gathered;
-    args.row_bytes = row_bytes;
-    args.ctas = ctas;
-    cuda_gather()(args);
-  } else {
-    // Without the kernel, or rows not 16-byte aligned: index_select over the same mapping, in words of 8 bytes when a
-    // block allows it (fewer, wider reads over the bus), else bytes.
-    const auto word = row_bytes % 8 == 0 ? at::kLong : at::kByte;
-    const int64_t row_words = row_bytes / (word == at::kLong ? 8 : 1);
-    auto mapped = at::from_blob(src.data_ptr(), {src.size(0), row_words}, [](void*) {},
-                                at::TensorOptions().dtype(word).device(dst.device()));
-    c10::StreamGuard guard(copy_stream);
-    gathered = mapped.index_select(0, index_tensor(src_ids, dst.device()));  // reads host memory in the kernel
+  at::Tensor gathered, ids;
+  {
+    c10::StreamGuard guard(copy_stream);  // the read on the copy stream; the scatter after it on the caller's stream
+    std::tie(gathered, ids) = read_mapped(src, dst, src_ids, dst_ids, row_bytes);
   }
-  finish_on_compute(dst, dst_ids, gathered, copy_stream);
+  finish_on_compute(dst, ids.narrow(0, ids.size(0) - n, n), gathered, copy_stream);
   return batch_bytes(src, src_ids.size());
 }
 
@@ -155,7 +233,12 @@ int64_t copy_blocks_staged(const at::Tensor& src, const at::Tensor& dst, const s
     on_device = staging.to(dst.device(), /*non_blocking=*/true);
   }
   // 3. The compute stream waits for the copy, then scatters into the pool (pool slots are written only there).
-  finish_on_compute(dst, dst_ids, on_device, copy_stream);
+  at::Tensor ids;
+  {
+    c10::StreamGuard guard(copy_stream);
+    ids = index_tensor(dst_ids, dst.device());
+  }
+  finish_on_compute(dst, ids, on_device, copy_stream);
   return batch_bytes(src, src_ids.size());
 }
 

@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace activekv {
 
@@ -152,5 +153,30 @@ constexpr int64_t kCudaGatherCtas = 32;
 /// The registered mapped gather, or nullptr in a build without CUDA (copy_blocks_mapped then uses index_select).
 CudaGatherFn cuda_gather();
 void register_cuda_gather(CudaGatherFn fn);
+
+/// The copy engines' side of copy_blocks_mapped: contiguous runs of bytes from pinned host memory into device memory,
+/// queued by one cudaMemcpyBatchAsync (CUDA 12.8 or later) on the current stream, in stream order, no SM used. A run
+/// is a stretch of consecutive source blocks, so a tile whose blocks lie in order in the host tier is one copy.
+struct CudaCopyRunsArgs {
+  std::vector<void*> dst, src;  ///< run i: bytes[i] from src[i] (pinned host) to dst[i] (device)
+  std::vector<size_t> bytes;
+  int device = 0;  ///< the device whose current stream takes the copies
+};
+
+/// Queues the runs and returns true, or returns false without queuing anything where the copy engines cannot take
+/// them on that stream (the legacy default stream, which cudaMemcpyBatchAsync refuses).
+using CudaCopyRunsFn = bool (*)(CudaCopyRunsArgs&);
+
+/// Mean bytes per run from which copy_blocks_mapped queues runs on the copy engines rather than its gather kernel,
+/// unless ACTIVEKV_DMA_MIN_BYTES says otherwise (transfer.cpp): a copy engine takes a descriptor per run and nears
+/// the bus only with long runs, while the gather kernel's 16-byte loads do not care how blocks are laid out. On the
+/// H200 (tools/bench_gpu.py, 256 MiB of scattered blocks, the whole call): copy engines 3.8, 26.3, 42.4, 47.7 and
+/// 49.6 GB/s at 16 KiB, 64 KiB, 256 KiB, 1 MiB and 4 MiB per run, the gather kernel 42.4 GB/s at 64 KiB, 45.1 at
+/// 256 KiB, 45.6 at 1 MiB: the copy engines from 1 MiB.
+constexpr int64_t kCudaDmaMinBytes = int64_t{1} << 20;
+
+/// The registered copy-engine batch, or nullptr in a build without it (CUDA before 12.8, or no CUDA).
+CudaCopyRunsFn cuda_copy_runs();
+void register_cuda_copy_runs(CudaCopyRunsFn fn);
 
 }  // namespace activekv

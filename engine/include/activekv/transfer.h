@@ -47,19 +47,34 @@ int64_t copy_blocks(const at::Tensor& src, const at::Tensor& dst, const std::vec
 int64_t copy_blocks_staged(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                            const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream);
 
-/// copy_blocks from a pinned CPU `src` to a CUDA `dst` with the gather on the device: with unified virtual addressing
-/// a pinned host pointer is valid in device code, so one gather kernel on `copy_stream` reads the scattered blocks
-/// straight from host memory over the bus into a device buffer; the compute stream waits on an event and scatters into
-/// dst. No CPU gather and no pinned staging. Same ordering rules as copy_blocks_staged. The gather is the CUDA gather
-/// kernel (cuda_kernel.h CudaGatherArgs: 16-byte loads, mapped_gather_ctas() CTAs) when the build has it and a block
-/// is a multiple of 16 bytes at a 16-byte aligned src; otherwise index_select over the mapping (8-byte words when a
-/// block is a multiple of 8 bytes, else bytes). Either way the bytes are src's.
-/// @throws as copy_blocks_staged.
+/// copy_blocks from a pinned CPU `src` to a CUDA `dst` read straight from host memory over the bus, into a device
+/// buffer on `copy_stream`; the compute stream waits on an event and scatters into dst. No CPU gather and no pinned
+/// staging. Same ordering rules as copy_blocks_staged. Two ways to read, chosen per call by how the blocks lie in src:
+///  - where the batch's runs of consecutive source blocks average at least mapped_dma_min_bytes() (a tile whose blocks
+///    lie in order in the host tier is one run), the copy engines: one cudaMemcpyBatchAsync of the runs
+///    (cuda_kernel.h CudaCopyRunsArgs), no SM used;
+///  - otherwise the gather kernel: with unified virtual addressing a pinned host pointer is valid in device code, so
+///    one kernel reads the scattered blocks through the mapping (cuda_kernel.h CudaGatherArgs: 16-byte loads,
+///    mapped_gather_ctas() CTAs) when the build has it and a block is a multiple of 16 bytes at a 16-byte aligned src;
+///    else index_select over the mapping (8-byte words when a block is a multiple of 8 bytes, else bytes).
+/// Either way the bytes are src's.
+/// @throws as copy_blocks_staged; c10::ValueError if src or dst is not contiguous.
 int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                            const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream);
+
+/// copy_blocks_mapped without its shape, dtype, placement and id checks (contiguity is still checked), for the engine's
+/// admission: src is the bound host tier (checked pinned when bound), dst the layer's pool, the ids admission's own (in
+/// range, each destination once). Those checks cost host time on every admitted tile (is_pinned asks the driver).
+int64_t copy_blocks_mapped_unchecked(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
+                                     const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream);
 
 /// CTAs the next copy_blocks_mapped gather kernel launches: ACTIVEKV_GATHER_CTAS (1..1024, read at each call) or
 /// cuda_kernel.h's kCudaGatherCtas; 0 in a build without the CUDA gather kernel (copy_blocks_mapped uses index_select).
 int64_t mapped_gather_ctas();
+
+/// Mean bytes per run of consecutive source blocks from which the next copy_blocks_mapped uses the copy engines:
+/// ACTIVEKV_DMA_MIN_BYTES (0 .. 2^50, read at each call: 0 always, 2^50 never) or cuda_kernel.h's kCudaDmaMinBytes;
+/// -1 in a build without the copy-engine batch (CUDA before 12.8, or no CUDA).
+int64_t mapped_dma_min_bytes();
 
 }  // namespace activekv

@@ -1,11 +1,12 @@
 // The mapped gather (cuda_kernel.h CudaGatherArgs): blocks read by id from pinned host memory through its device
-// mapping into a contiguous device buffer, one launch on the current stream. ATen for tensors and streams only; no
-// Python.
+// mapping into a contiguous device buffer, one launch on the current stream; and its copy-engine side
+// (CudaCopyRunsArgs): runs of blocks queued by one cudaMemcpyBatchAsync. ATen for tensors and streams only; no Python.
 #include <activekv/cuda_kernel.h>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -66,8 +67,38 @@ void gather_cuda(const CudaGatherArgs& a) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+#if CUDART_VERSION >= 12080
+bool copy_runs_cuda(CudaCopyRunsArgs& a) {
+  TORCH_INTERNAL_ASSERT(a.dst.size() == a.src.size() && a.bytes.size() == a.src.size(), "copy_runs_cuda: ",
+                        a.dst.size(), " destinations, ", a.src.size(), " sources, ", a.bytes.size(), " sizes");
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device)).stream();
+  if (stream == nullptr) return false;  // the legacy default stream: cudaMemcpyBatchAsync refuses it
+  if (a.src.empty()) return true;
+  // Stream order: a run is read after the work queued before it on this stream (the KV update's device-to-host
+  // writes of the host tier among them), as cudaMemcpyAsync would read it.
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+  size_t attr_index = 0;
+#if CUDART_VERSION >= 13000
+  C10_CUDA_CHECK(cudaMemcpyBatchAsync(a.dst.data(), a.src.data(), a.bytes.data(), a.src.size(), &attr, &attr_index,
+                                      1, stream));
+#else
+  size_t failed = 0;
+  C10_CUDA_CHECK(cudaMemcpyBatchAsync(a.dst.data(), a.src.data(), a.bytes.data(), a.src.size(), &attr, &attr_index,
+                                      1, &failed, stream));
+#endif
+  return true;
+}
+#endif
+
 struct Registration {
-  Registration() { register_cuda_gather(&gather_cuda); }
+  Registration() {
+    register_cuda_gather(&gather_cuda);
+#if CUDART_VERSION >= 12080
+    register_cuda_copy_runs(&copy_runs_cuda);
+#endif
+  }
 } registration;
 
 }  // namespace
