@@ -156,8 +156,13 @@ def test_blocks_table_shows_the_gather_kernel_alone_and_dashes_data_without_it()
     names = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(names, [c.strip() for c in line.strip("|").split("|")], strict=True)) for line in lines[2:]]
     assert len(rows) == len(res["blocks"]) and lines[1].count("---") == len(names)
-    assert rows[0]["its gather kernel alone GB/s"] == "51.0"
-    assert {r["its gather kernel alone GB/s"] for r in rows[1:]} == {"-"}
+    assert rows[0]["its kernel alone GB/s"] == "51.0"
+    assert {r["its kernel alone GB/s"] for r in rows[1:]} == {"-"}
+    # Data from before the copy engines: no in-order, copy-engine or forced-kernel figures, dashes in their columns.
+    assert {r[c] for r in rows for c in ("in order GB/s", "copy engines GB/s", "gather kernel GB/s")} == {"-"}
+    res["blocks"][1].update(mapped_in_order_GBps=45.5, mapped_dma_GBps=25.7, mapped_gather_GBps=42.3)
+    row = dict(zip(names, [c.strip() for c in bench_gpu.blocks_table(res)[3].strip("|").split("|")], strict=True))
+    assert (row["in order GB/s"], row["copy engines GB/s"], row["gather kernel GB/s"]) == ("45.5", "25.7", "42.3")
 
 
 def test_committed_data_renders_its_breakdown_rows() -> None:
@@ -171,6 +176,8 @@ def test_plot_series_split_random_and_drifting_rows_and_the_plot_draws(tmp_path:
     assert len(rand) == len(drift) == 6
     assert {r.get("queries", "random") for r in rand} == {"random"} and {r["queries"] for r in drift} == {"drift"}
     assert all((r["transfer"], r["kernel"]) == ("mapped", "native") for r in bench_gpu.series_rows(res, "streamed"))
+    forced = dict(res["streamed"][0], transfer="mapped", kernel="native", read="gather kernel")
+    assert forced not in bench_gpu.series_rows(dict(res, streamed=[*res["streamed"], forced]), "streamed")
     bench_gpu.plot(res, tmp_path / "gpu_decode.png")
     assert (tmp_path / "gpu_decode.png").read_bytes().startswith(b"\x89PNG")
 

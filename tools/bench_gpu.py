@@ -15,11 +15,14 @@ enough layers (each its own KV) that the calls stream at least 512 MiB, several 
 Sections (--sections picks some; the JSON then holds only those):
 1. ceilings: one pinned host->device and device->host copy of 256 MiB; a device->device copy of 4 GiB (read + write);
 2. blocks: transfer.copy_blocks_staged/mapped of 256 MiB as blocks of 16 KiB .. 4 MiB (CPU gather into pinned
-   staging, one copy on a copy stream; or a device gather reading pinned memory), against one plain pinned copy of the
-   same bytes, and one `copy_` per block; then copy_blocks_mapped of 16 and 64 KiB blocks at each CTA count of its
-   gather kernel (ACTIVEKV_GATHER_CTAS: 2 .. 132, and the default), the JSON's "gather";
-3. streamed: exact decode whose context lives in a pinned host tier and streams through a pool of 1/8 of it;
-   achieved host->device rate against the pinned bus ceiling of section 1;
+   staging, one copy on a copy stream; or read straight from pinned memory: copy_blocks_mapped's own choice, and
+   forced onto the copy engines and onto its gather kernel with ACTIVEKV_DMA_MIN_BYTES; scattered ids, and in order
+   with its own choice), against one plain pinned copy of the same bytes, and one `copy_` per block; then
+   copy_blocks_mapped's gather kernel on 16 and 64 KiB blocks at each CTA count (ACTIVEKV_GATHER_CTAS: 2 .. 132, and
+   the default), the JSON's "gather";
+3. streamed: exact decode whose context lives in a pinned host tier and streams through a pool of 1/8 of it (the
+   mapped transfer reading as it chooses, and with its gather kernel forced); achieved host->device rate against the
+   pinned bus ceiling of section 1;
 4. resident: exact decode with every block on the device, in place (placement in_place: the KV cache on the device,
    no pool) and from a pool that holds the contexts (pool-resident), each step's decode rows in one launch (the decode
    batch); the ATen tile path beside them; against scaled_dot_product_attention (flash) on the same KV in
@@ -42,6 +45,7 @@ admitted / evicted / hit per step) to the JSON's "compressed_breakdown".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -132,7 +136,30 @@ def gather_kernel_ms(fn, calls: int = 3) -> float | None:
     return us / calls / 1e3 if us > 0 else None
 
 
+@contextlib.contextmanager
+def env(name: str, value: str | None):
+    """The environment variable `name` set to `value` (None: unset) inside the block, as it was after."""
+    saved = os.environ.get(name)
+    try:
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+DMA_NEVER = str(1 << 50)  # ACTIVEKV_DMA_MIN_BYTES above any batch: copy_blocks_mapped always takes its gather kernel
+
+
 def block_batches(quick: bool) -> list[dict]:
+    """256 MiB of blocks of each size: copy_blocks_mapped with its own choice, forced onto the copy engines
+    (ACTIVEKV_DMA_MIN_BYTES=0) and forced onto the gather kernel, over scattered ids (a random half of a host tier
+    twice the batch) and, with its own choice, over ids in order (one run: a tile whose blocks lie in order)."""
     import activekv._transfer as transfer
 
     total = 256 << 20
@@ -145,9 +172,19 @@ def block_batches(quick: bool) -> list[dict]:
         dst = torch.empty(n, block // 2, dtype=DT, device="cuda")
         ids = torch.randperm(2 * n)[:n].tolist()  # scattered blocks, as a page table gives them
         slots = list(range(n))
+        in_order = list(range(n // 2, n // 2 + n))
+
+        def mapped(batch=ids):
+            return total / timed(lambda: transfer.copy_blocks_mapped(src, dst, batch, slots, stream), reps=5) / 1e9
+
         staged = total / timed(lambda: transfer.copy_blocks_staged(src, dst, ids, slots, stream), reps=5) / 1e9
-        mapped = total / timed(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream), reps=5) / 1e9
-        kernel = gather_kernel_ms(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
+        with env("ACTIVEKV_DMA_MIN_BYTES", None):
+            chosen, ordered = mapped(), mapped(in_order)
+        with env("ACTIVEKV_DMA_MIN_BYTES", "0"):
+            dma = mapped() if transfer.mapped_dma_min_bytes() == 0 else None
+        with env("ACTIVEKV_DMA_MIN_BYTES", DMA_NEVER):
+            gather = mapped()
+            kernel = gather_kernel_ms(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
         flat = src[:n].contiguous().pin_memory()
         plain = total / timed(lambda: dst.copy_(flat, non_blocking=True), reps=5) / 1e9
         per_block = None
@@ -156,7 +193,8 @@ def block_batches(quick: bool) -> list[dict]:
                 for i, s in zip(ids, slots):
                     dst[s].copy_(src[i], non_blocking=True)
             per_block = total / timed(each, reps=2, warmup=1) / 1e9
-        rows.append({"block_KiB": block >> 10, "blocks": n, "staged_GBps": staged, "mapped_GBps": mapped,
+        rows.append({"block_KiB": block >> 10, "blocks": n, "staged_GBps": staged, "mapped_GBps": chosen,
+                     "mapped_in_order_GBps": ordered, "mapped_dma_GBps": dma, "mapped_gather_GBps": gather,
                      "gather_kernel_GBps": None if kernel is None else total / kernel / 1e6, "plain_GBps": plain,
                      "per_block_copy_GBps": per_block})
     return rows
@@ -166,16 +204,16 @@ GATHER_CTAS = (2, 4, 8, 16, 32, 64, 132)
 
 
 def gather_sweep() -> list[dict]:
-    """copy_blocks_mapped of 256 MiB as 16 and 64 KiB blocks at each CTA count of its gather kernel
-    (ACTIVEKV_GATHER_CTAS, read at each call) and at the default; empty in a build without the kernel."""
+    """copy_blocks_mapped of 256 MiB as 16 and 64 KiB blocks through its gather kernel (ACTIVEKV_DMA_MIN_BYTES set
+    above any batch) at each CTA count (ACTIVEKV_GATHER_CTAS, read at each call) and at the default; empty in a build
+    without the kernel."""
     import activekv._transfer as transfer
 
     total = 256 << 20
     stream = torch.cuda.Stream()
-    saved = os.environ.pop("ACTIVEKV_GATHER_CTAS", None)
-    default = transfer.mapped_gather_ctas()
     rows = []
-    try:
+    with env("ACTIVEKV_GATHER_CTAS", None), env("ACTIVEKV_DMA_MIN_BYTES", DMA_NEVER):
+        default = transfer.mapped_gather_ctas()
         if default == 0:
             return rows
         for block in (16 << 10, 64 << 10):
@@ -185,20 +223,13 @@ def gather_sweep() -> list[dict]:
             ids = torch.randperm(2 * n)[:n].tolist()
             slots = list(range(n))
             for ctas in (*GATHER_CTAS, None):
-                if ctas is None:
-                    os.environ.pop("ACTIVEKV_GATHER_CTAS", None)
-                else:
-                    os.environ["ACTIVEKV_GATHER_CTAS"] = str(ctas)
-                assert transfer.mapped_gather_ctas() == (ctas or default)
-                rate = total / timed(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream), reps=5) / 1e9
+                with env("ACTIVEKV_GATHER_CTAS", None if ctas is None else str(ctas)):
+                    assert transfer.mapped_gather_ctas() == (ctas or default)
+                    rate = total / timed(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream),
+                                         reps=5) / 1e9
                 rows.append({"block_KiB": block >> 10, "ctas": ctas or default, "default": ctas is None,
                              "mapped_GBps": rate})
             del src, dst
-    finally:
-        if saved is None:
-            os.environ.pop("ACTIVEKV_GATHER_CTAS", None)
-        else:
-            os.environ["ACTIVEKV_GATHER_CTAS"] = saved
     return rows
 
 
@@ -261,19 +292,24 @@ def sdpa_decode(batch: int, ctx: int, calls: int) -> dict:
             "kv_GBps": kv_bytes / ms / 1e6, "kernel_kv_GBps": kv_bytes / kms / 1e6}
 
 
+READS = {"own": None, "copy engines": "0", "gather kernel": DMA_NEVER}  # ACTIVEKV_DMA_MIN_BYTES per choice
+
+
 def exact_decode(batch: int, ctx: int, tiered: bool, pool_tokens: int, tile_blocks: int,
-                 transfer: str = "mapped", kernel: str = "native") -> dict:
-    """Streamed exact decode: the context in a pinned host tier, a pool smaller than it."""
-    eng = make_engine(pool_tokens // BS, tile_blocks, transfer=transfer, kernel=kernel)
-    kv = fill_host(batch, ctx, pinned=tiered)
-    plan = decode_plan(eng, batch, ctx)
-    q = torch.randn(batch, H, D, dtype=DT, device="cuda")
-    out = torch.empty_like(q)
-    ms = event_ms(lambda: eng.forward(0, plan, q, kv, out, D ** -0.5), calls=2, reps=3, warmup=1)
-    snap = eng.snapshot()
+                 transfer: str = "mapped", kernel: str = "native", read: str = "own") -> dict:
+    """Streamed exact decode: the context in a pinned host tier, a pool smaller than it. `read`: the mapped transfer's
+    own choice between the copy engines and its gather kernel, or one of them forced (READS)."""
+    with env("ACTIVEKV_DMA_MIN_BYTES", READS[read]):
+        eng = make_engine(pool_tokens // BS, tile_blocks, transfer=transfer, kernel=kernel)
+        kv = fill_host(batch, ctx, pinned=tiered)
+        plan = decode_plan(eng, batch, ctx)
+        q = torch.randn(batch, H, D, dtype=DT, device="cuda")
+        out = torch.empty_like(q)
+        ms = event_ms(lambda: eng.forward(0, plan, q, kv, out, D ** -0.5), calls=2, reps=3, warmup=1)
+        snap = eng.snapshot()
     kv_bytes = batch * ctx * TOKEN_BYTES
-    return {"batch": batch, "context": ctx, "transfer": transfer, "kernel": kernel, "ms": ms,
-            "kv_GBps": kv_bytes / ms / 1e6,
+    return {"batch": batch, "context": ctx, "transfer": transfer, "kernel": kernel,
+            "read": read if transfer == "mapped" else None, "ms": ms, "kv_GBps": kv_bytes / ms / 1e6,
             "h2d_bytes_per_step": snap["bytes_h2d"] / max(1, snap["forward_calls"])}
 
 
@@ -525,15 +561,19 @@ def ceilings_table(res: dict) -> list[str]:
 
 
 def blocks_table(res: dict) -> list[str]:
-    """One row per block size. copy_blocks_mapped is the whole call, one at a time (host work, the gather on the copy
-    stream, the scatter into dst on the compute stream); its gather kernel alone is the device time of that kernel
-    (- where the data or the build has none)."""
-    lines = ["| block | blocks | copy_blocks_mapped GB/s | its gather kernel alone GB/s | copy_blocks_staged GB/s | "
-             "one plain copy GB/s | mapped / plain | one `copy_` per block GB/s |", "|---|---|---|---|---|---|---|---|"]
+    """One row per block size. copy_blocks_mapped is the whole call, one at a time (host work, the read over the bus on
+    the copy stream, the scatter into dst on the compute stream): with its own choice over scattered ids and over ids
+    in order (one run), then forced onto the copy engines and onto the gather kernel over the scattered ids; its
+    gather kernel alone is the device time of that kernel (- where the data or the build has none)."""
+    lines = ["| block | blocks | copy_blocks_mapped GB/s | in order GB/s | copy engines GB/s | gather kernel GB/s | "
+             "its kernel alone GB/s | copy_blocks_staged GB/s | one plain copy GB/s | mapped / plain | "
+             "one `copy_` per block GB/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["blocks"]:
         pb = "-" if r["per_block_copy_GBps"] is None else f"{r['per_block_copy_GBps']:.2f}"
         size = f"{r['block_KiB']} KiB" if r["block_KiB"] < 1024 else f"{r['block_KiB'] // 1024} MiB"
-        lines.append(f"| {size} | {r['blocks']} | {r['mapped_GBps']:.1f} | {_cell(r, 'gather_kernel_GBps', '.1f')} | "
+        lines.append(f"| {size} | {r['blocks']} | {r['mapped_GBps']:.1f} | {_cell(r, 'mapped_in_order_GBps', '.1f')} | "
+                     f"{_cell(r, 'mapped_dma_GBps', '.1f')} | {_cell(r, 'mapped_gather_GBps', '.1f')} | "
+                     f"{_cell(r, 'gather_kernel_GBps', '.1f')} | "
                      f"{r['staged_GBps']:.1f} | {r['plain_GBps']:.1f} | {r['mapped_GBps'] / r['plain_GBps']:.2f} | "
                      f"{pb} |")
     return lines
@@ -557,11 +597,14 @@ def gather_table(res: dict) -> list[str]:
 
 
 def streamed_table(res: dict) -> list[str]:
-    lines = ["| batch | transfer | kernel | ms/step | H2D GB/s achieved | / pinned H2D ceiling |",
-             "|---|---|---|---|---|---|"]
+    """One row per run; "read" is the mapped transfer's way over the bus: its own choice (copy engines for a tile's
+    run of 256 blocks in order, 16 MiB), or its gather kernel forced (- for staged, or data without the field)."""
+    lines = ["| batch | transfer | read | kernel | ms/step | H2D GB/s achieved | / pinned H2D ceiling |",
+             "|---|---|---|---|---|---|---|"]
     for r in res["streamed"]:
         rate = r["h2d_bytes_per_step"] / (r["ms"] / 1e3) / 1e9
-        lines.append(f"| {r['batch']} | {r['transfer']} | {r['kernel']} | {r['ms']:.2f} | {rate:.1f} | "
+        read = {"own": "own choice", None: "-"}.get(r.get("read"), r.get("read"))
+        lines.append(f"| {r['batch']} | {r['transfer']} | {read} | {r['kernel']} | {r['ms']:.2f} | {rate:.1f} | "
                      f"{rate / res['ceilings']['h2d_GBps']:.2f} |")
     return lines
 
@@ -668,12 +711,13 @@ PLOT_SERIES = (("resident", "ActiveKV exact, in place on the device"),
 
 def series_rows(res: dict, key: str) -> list[dict]:
     """The rows a plot series draws: "compressed" the random-query rows, "compressed_drift" the drifting ones, the
-    streamed series its mapped transfer with the CUDA kernel."""
+    streamed series its mapped transfer with the CUDA kernel, reading as it chooses."""
     if key in ("compressed", "compressed_drift"):
         want = "drift" if key == "compressed_drift" else "random"
         return [r for r in res.get("compressed", []) if r.get("queries", "random") == want]
     if key == "streamed":
-        return [r for r in res.get(key, []) if (r["transfer"], r["kernel"]) == ("mapped", "native")]
+        return [r for r in res.get(key, []) if (r["transfer"], r["kernel"], r.get("read", "own"))
+                == ("mapped", "native", "own")]
     return res.get(key, [])
 
 
@@ -767,8 +811,9 @@ def main() -> None:
         save()
 
     if "streamed" in want:
-        res["streamed"] = [exact_decode(b, 131072, True, 16384, 256, tr, kn) for b in batches
-                           for tr, kn in (("mapped", "native"), ("mapped", "aten"), ("staged", "native"))]
+        res["streamed"] = [exact_decode(b, 131072, True, 16384, 256, tr, kn, rd) for b in batches
+                           for tr, kn, rd in (("mapped", "native", "own"), ("mapped", "native", "gather kernel"),
+                                              ("mapped", "aten", "own"), ("staged", "native", "own"))]
         print("## streamed exact decode: 128k context in a pinned host tier, pool 16k tokens, tile 256 blocks\n")
         if "ceilings" in res:
             print("\n".join(streamed_table(res)) + "\n", flush=True)

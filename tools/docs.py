@@ -414,8 +414,11 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
     in_place = [s["ms"] / a["ms"] for a, s in zip(gpu["resident"], gpu["sdpa"], strict=True)]
     in_place_kernel = [s["kernel_ms"] / a["kernel_ms"] for a, s in zip(gpu["resident"], gpu["sdpa"], strict=True)]
     pooled = [s["ms"] / a["ms"] for a, s in zip(gpu["resident_pool"], gpu["sdpa"], strict=True)]
-    streamed = [r["h2d_bytes_per_step"] / r["ms"] / 1e6 / gpu["ceilings"]["h2d_GBps"] for r in gpu["streamed"]
-                if (r["transfer"], r["kernel"]) == ("mapped", "native")]
+    def bus(read: str) -> list[float]:
+        return [r["h2d_bytes_per_step"] / r["ms"] / 1e6 / gpu["ceilings"]["h2d_GBps"] for r in gpu["streamed"]
+                if (r["transfer"], r["kernel"], r.get("read", "own")) == ("mapped", "native", read)]
+
+    streamed, streamed_kernel = bus("own"), bus("gather kernel")
     small = next(r for r in gpu["blocks"] if r["block_KiB"] == 16)
     longest = max(r["context"] for r in gpu["compressed"])
     comp1 = next(r for r in gpu["compressed"] if r["batch"] == 1 and r["context"] == longest
@@ -444,7 +447,9 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
         *bench_gpu.resident_table(gpu), "",
         f"**Streamed exact decode** ({max(r['context'] for r in gpu['streamed']) // 1024}k-token context in a pinned "
         "host tier, pool of 16k tokens, tile of 256 blocks: every block crosses the bus every step). Target: 90% of "
-        f"the pinned bus; measured {_range(streamed, '{:.2f}')} of it with the mapped gather and the CUDA kernel.", "",
+        f"the pinned bus; measured {_range(streamed, '{:.2f}')} of it with the mapped transfer and the CUDA kernel"
+        + (f" (a tile's 256 blocks lie in order: one 16 MiB run, read by the copy engines), "
+           f"{_range(streamed_kernel, '{:.2f}')} with its gather kernel forced" if streamed_kernel else "") + ".", "",
         *bench_gpu.streamed_table(gpu), "",
         f"**Compressed decode** (budget 2048 tokens, pinned host tier, 4 random queries in turn"
         + (f"; and drifting queries, a new one each step from an AR(1) process per head, a = {drift['drift_a']}"
@@ -465,7 +470,8 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
             "copy streams. \"Their bus time\" is the admitted blocks' bytes over the pinned H2D ceiling: the floor "
             "of a step whose admission crosses the bus.", "", *bench_gpu.breakdown_table(gpu), ""]
           if gpu.get("compressed_breakdown") else []),
-        "**Ceilings and block batches** (256 MiB of scattered blocks from a pinned host tier into device memory). "
+        "**Ceilings and block batches** (256 MiB of scattered blocks from a pinned host tier into device memory; "
+        "\"in order\" the same bytes as one run of consecutive blocks). "
         f"Target: 16 KiB blocks at 45 GB/s; measured {small['mapped_GBps']:.1f} GB/s mapped, the whole call one at "
         "a time"
         + (f", its gather kernel alone {small['gather_kernel_GBps']:.1f} GB/s (the call's host work and its scatter "
@@ -533,6 +539,7 @@ def gpu_vllm_section(data: dict[str, Any] | None) -> list[str]:
                 f"{device.get('name', '?')}" + (f" (driver {device['driver']})" if "driver" in device else ""),
                 *([", ".join(f"{k} {v}" for k, v in versions.items())] if versions else []),
                 f"commit {data['commit']}", data["date"], f"data `docs/data/{GPU_VLLM_DATA}`"]),
+            *([f"- tree: {data['provenance']}"] if data.get("provenance") else []),
             "- pinned host-to-device copy of 256 MiB: " + (
                 f"{bus['h2d_GBps']:.1f} GB/s at the start" if "h2d_GBps" in bus else "not measured")
             + (f", {bus['h2d_GBps_end']:.1f} at the end" if "h2d_GBps_end" in bus else ""), "",
