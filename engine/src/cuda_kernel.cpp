@@ -4,53 +4,27 @@
 namespace activekv {
 
 namespace {
-CudaAttendFn& slot() {
-  static CudaAttendFn fn = nullptr;
-  return fn;
+// One registry entry per type (every entry's type is distinct): empty until a CUDA translation unit registers it.
+template <class T>
+T& entry() {
+  static T value{};
+  return value;
 }
 }  // namespace
 
-CudaAttendFn cuda_attend() { return slot(); }
-void register_cuda_attend(CudaAttendFn fn) { slot() = fn; }
+CudaAttendFn cuda_attend() { return entry<CudaAttendFn>(); }
+void register_cuda_attend(CudaAttendFn fn) { entry<CudaAttendFn>() = fn; }
 
-namespace {
-CudaBatchKernel& batch_slot() {
-  static CudaBatchKernel kernel;
-  return kernel;
-}
-}  // namespace
+const CudaBatchKernel& cuda_batch_kernel() { return entry<CudaBatchKernel>(); }
+void register_cuda_batch_kernel(const CudaBatchKernel& kernel) { entry<CudaBatchKernel>() = kernel; }
 
-const CudaBatchKernel& cuda_batch_kernel() { return batch_slot(); }
-void register_cuda_batch_kernel(const CudaBatchKernel& kernel) { batch_slot() = kernel; }
+CudaKvWriteFn cuda_kv_write() { return entry<CudaKvWriteFn>(); }
+void register_cuda_kv_write(CudaKvWriteFn fn) { entry<CudaKvWriteFn>() = fn; }
 
-namespace {
-CudaKvWriteFn& kv_write_slot() {
-  static CudaKvWriteFn fn = nullptr;
-  return fn;
-}
-}  // namespace
+CudaGatherFn cuda_gather() { return entry<CudaGatherFn>(); }
+void register_cuda_gather(CudaGatherFn fn) { entry<CudaGatherFn>() = fn; }
 
-CudaKvWriteFn cuda_kv_write() { return kv_write_slot(); }
-void register_cuda_kv_write(CudaKvWriteFn fn) { kv_write_slot() = fn; }
-
-namespace {
-CudaGatherFn& gather_slot() {
-  static CudaGatherFn fn = nullptr;
-  return fn;
-}
-}  // namespace
-
-CudaGatherFn cuda_gather() { return gather_slot(); }
-void register_cuda_gather(CudaGatherFn fn) { gather_slot() = fn; }
-
-namespace {
-CudaCopyRunsFn& copy_runs_slot() {
-  static CudaCopyRunsFn fn = nullptr;
-  return fn;
-}
-}  // namespace
-
-CudaCopyRunsFn cuda_copy_runs() { return copy_runs_slot(); }
-void register_cuda_copy_runs(CudaCopyRunsFn fn) { copy_runs_slot() = fn; }
+CudaCopyRunsFn cuda_copy_runs() { return entry<CudaCopyRunsFn>(); }
+void register_cuda_copy_runs(CudaCopyRunsFn fn) { entry<CudaCopyRunsFn>() = fn; }
 
 }  // namespace activekv
