@@ -419,28 +419,25 @@ def test_mapped_copy_takes_the_copy_engines_for_long_runs(monkeypatch: pytest.Mo
         assert torch.equal(dst[slots].cpu().view(torch.uint8), src.index_select(0, torch.tensor(ids)).view(torch.uint8))
 
 
-@pytest.mark.parametrize("value", ["-1", "32x", "", str((1 << 50) + 1)])
-def test_dma_min_bytes_out_of_range_is_the_default(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+# (variable, the binding that reads it, values out of its range, a value at its edge)
+TRANSFER_VARIABLES = [("ACTIVEKV_GATHER_CTAS", "mapped_gather_ctas", ["0", "1025", "-4", "32x", ""], 1024),
+                      ("ACTIVEKV_DMA_MIN_BYTES", "mapped_dma_min_bytes", ["-1", "32x", "", str((1 << 50) + 1)], 0)]
+
+
+@pytest.mark.parametrize("name,reader,value,edge", [(n, r, v, e) for n, r, vs, e in TRANSFER_VARIABLES for v in vs])
+def test_transfer_variable_out_of_range_is_the_default(name: str, reader: str, value: str, edge: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """ACTIVEKV_GATHER_CTAS and ACTIVEKV_DMA_MIN_BYTES, read at each call: a value out of range or not an integer is
+    the default; one at the edge of the range is taken."""
     import activekv._transfer as transfer
 
-    monkeypatch.delenv("ACTIVEKV_DMA_MIN_BYTES", raising=False)
-    default = transfer.mapped_dma_min_bytes()
-    monkeypatch.setenv("ACTIVEKV_DMA_MIN_BYTES", value)
-    assert transfer.mapped_dma_min_bytes() == default
-    monkeypatch.setenv("ACTIVEKV_DMA_MIN_BYTES", "0")
-    assert transfer.mapped_dma_min_bytes() == 0
-
-
-@pytest.mark.parametrize("value", ["0", "1025", "-4", "32x", ""])
-def test_gather_ctas_out_of_range_is_the_default(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import activekv._transfer as transfer
-
-    monkeypatch.delenv("ACTIVEKV_GATHER_CTAS", raising=False)
-    default = transfer.mapped_gather_ctas()
-    monkeypatch.setenv("ACTIVEKV_GATHER_CTAS", value)
-    assert transfer.mapped_gather_ctas() == default
-    monkeypatch.setenv("ACTIVEKV_GATHER_CTAS", "1024")
-    assert transfer.mapped_gather_ctas() == 1024
+    read = getattr(transfer, reader)
+    monkeypatch.delenv(name, raising=False)
+    default = read()
+    monkeypatch.setenv(name, value)
+    assert read() == default
+    monkeypatch.setenv(name, str(edge))
+    assert read() == edge
 
 
 # ---- CUDA kernel (cuda_kernel.h) against the ATen path ------------------------------------------------------------
