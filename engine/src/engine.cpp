@@ -307,8 +307,7 @@ void Engine::forward(int64_t layer, const StepPlan& step_plan, const at::Tensor&
   L.last_selection.clear();
   const int64_t admitted_before = telemetry_.get(Counter::kBlocksAdmitted);
   const auto selections = plan.selecting
-                              ? select_rows(plan, L, query, selection_, path_->native_scores(), telemetry_,
-                                            path_->batched_selection())
+                              ? select_rows(plan, L, query, selection_, path_->scoring(), telemetry_)
                               : std::vector<RowSelection>();
   const auto out3 = output.view({output.size(0), h, d});
   LayerStep step{plan, L, in_place() ? host : L.pool, query, out3, scale, selections};

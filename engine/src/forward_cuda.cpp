@@ -91,7 +91,7 @@ class CudaPath : public AtenPath {
     b.arrays = host.to(device_, /*non_blocking=*/true);
   }
 
-  bool batched_selection() const override { return true; }
+  Scoring scoring() const override { return Scoring::kBatched; }
 
   bool batch_fits(const LayerStep& s) const override {
     const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };

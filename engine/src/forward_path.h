@@ -47,11 +47,9 @@ class ForwardPath {
   /// Whether one attend call takes several units: units are then admitted while they fit the pool together
   /// (StepPlan rounds); otherwise one unit is admitted, computed and released at a time.
   virtual bool batches_units() const = 0;
-  /// Whether compressed selection scores with the CPU kernel (selection.h native_scores).
-  virtual bool native_scores() const { return false; }
-  /// Whether compressed selection scores every selecting row of a layer at once on the device (select_rows'
-  /// `batched`) rather than row by row as the reference does.
-  virtual bool batched_selection() const { return false; }
+  /// How compressed selection scores a layer's selecting rows (selection.h Scoring): row by row with ATen ops as the
+  /// reference does, unless the path has its own way.
+  virtual Scoring scoring() const { return Scoring::kAten; }
   /// Plan the step's decode batch (StepPlan::batch) at build, where the path attends one (the CUDA path).
   virtual void plan_batch(StepPlan& plan) const {}
   /// Whether this layer's tensors let the plan's decode batch run (the kernel reads them in 16-byte pieces).

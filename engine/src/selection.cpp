@@ -128,7 +128,7 @@ at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const a
 }
 
 namespace {
-// Every selecting row of one layer at once, on the query's device (select_rows with `batched`): the Quest bound of
+// Every selecting row of one layer at once, on the query's device (select_rows with Scoring::kBatched): the Quest bound of
 // the rows' candidates, padded to the longest row's count, in two batched matmuls; the top k per (row, KV head) as
 // top_blocks takes them, padding ranked below every candidate (each row has more than k); the chosen positions read
 // with a stable sort instead of nonzero, so no op waits for the device. [rows, KVH, m] int64 positions.
@@ -210,8 +210,7 @@ void select_each(const StepPlan& plan, const std::vector<size_t>& selecting, con
 }  // namespace
 
 std::vector<RowSelection> select_rows(const StepPlan& plan, LayerState& layer, const at::Tensor& query,
-                                      const Selection& sel, bool native_scores, Telemetry& telemetry,
-                                      bool batched) {
+                                      const Selection& sel, Scoring scoring, Telemetry& telemetry) {
   std::vector<RowSelection> out(plan.rows.size());
   std::vector<size_t> selecting;
   for (size_t i = 0; i < plan.rows.size(); ++i)
@@ -220,12 +219,12 @@ std::vector<RowSelection> select_rows(const StepPlan& plan, LayerState& layer, c
   // one copy: one wait for the device per layer, not per row.
   const int64_t kvh = layer.key_min.size(1), m = sel.per_head();
   at::Tensor all_pos;  // [rows, KVH, m] on the host
-  if (batched && !selecting.empty() && !query.is_cpu()) {
+  if (scoring == Scoring::kBatched && !selecting.empty() && !query.is_cpu()) {
     const auto all = select_batched(plan, selecting, layer, query, sel);
     for (size_t j = 0; j < selecting.size(); ++j) out[selecting[j]].pos = all[static_cast<int64_t>(j)];
     all_pos = all.to(at::kCPU);
   } else {
-    select_each(plan, selecting, layer, query, sel, native_scores, out);
+    select_each(plan, selecting, layer, query, sel, scoring == Scoring::kNative, out);
     if (!selecting.empty() && !query.is_cpu()) {
       std::vector<at::Tensor> rows_pos;
       rows_pos.reserve(selecting.size());

@@ -71,18 +71,24 @@ struct RowSelection {
   std::vector<int64_t> head_slots(const std::vector<int64_t>& union_slots) const;
 };
 
+/// How select_rows scores a layer's selecting rows.
+enum class Scoring {
+  kAten,    ///< row by row with ATen ops (quest_scores, top_blocks): what the reference repeats
+  kNative,  ///< row by row with the CPU kernel (select_blocks' native_scores): key metadata on CPU, contiguous
+  kBatched  ///< every row at once with batched ATen ops on the query's device; on a CPU query, as kAten
+};
+
 /// Select the blocks of every selecting row of a plan for one layer (the rows' queries scored against the layer's
 /// key metadata), then record each row's selection in the layer's last_selection and the compressed counters, in row
-/// order. With native_scores and at least two selecting rows per thread, one parallel region scores the rows (a row per
+/// order. kNative with at least two selecting rows per thread scores the rows in one parallel region (a row per
 /// task); otherwise row by row, each row's scoring split over the threads: the choices are the same either way.
-/// With `batched` off the CPU, every selecting row is scored and chosen at once (batched ATen ops over the rows'
-/// candidates, padded to the longest row's; no op waits for the device before the positions' one copy to the host):
-/// the same rule as select_blocks, its bounds equal to quest_scores' within float32 rounding (a different matmul
-/// shape), so a selection differs only where two bounds tie within that rounding.
+/// kBatched off the CPU scores and chooses every selecting row at once (batched ATen ops over the rows' candidates,
+/// padded to the longest row's; no op waits for the device before the positions' one copy to the host): the same
+/// rule as select_blocks, its bounds equal to quest_scores' within float32 rounding (a different matmul shape), so a
+/// selection differs only where two bounds tie within that rounding.
 /// @param query [>= tokens, num_heads, head_size] the layer's query
 /// @return one entry per plan row (empty for rows that do not select)
 std::vector<RowSelection> select_rows(const StepPlan& plan, LayerState& layer, const at::Tensor& query,
-                                      const Selection& sel, bool native_scores, Telemetry& telemetry,
-                                      bool batched = false);
+                                      const Selection& sel, Scoring scoring, Telemetry& telemetry);
 
 }  // namespace activekv

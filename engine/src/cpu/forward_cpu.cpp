@@ -75,7 +75,7 @@ class CpuPath : public ForwardPath {
  public:
   CpuPath(const Geometry& g, const Selection& sel, Telemetry& telemetry) : g_(g), sel_(sel), telemetry_(telemetry) {}
   bool batches_units() const override { return true; }
-  bool native_scores() const override { return true; }
+  Scoring scoring() const override { return Scoring::kNative; }
 
   void begin(const LayerStep& s) override {
     const int64_t kvh = g_.num_kv_heads, d = g_.head_size, group = g_.num_heads / kvh;
