@@ -74,8 +74,8 @@ bool copy_runs_cuda(CudaCopyRunsArgs& a) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device)).stream();
   if (stream == nullptr) return false;  // the legacy default stream: cudaMemcpyBatchAsync refuses it
   if (a.src.empty()) return true;
-  // Stream order: a run is read after the work queued before it on this stream (the KV update's device-to-host
-  // writes of the host tier among them), as cudaMemcpyAsync would read it.
+  // Stream order: a run is read after the work queued before it on this stream (among it the copy stream's wait for
+  // the KV update that wrote the host tier), as cudaMemcpyAsync would read it.
   cudaMemcpyAttributes attr{};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
