@@ -128,10 +128,10 @@ at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const a
 }
 
 namespace {
-// Every selecting row of one layer at once, on the query's device (select_rows with Scoring::kBatched): the Quest bound of
-// the rows' candidates, padded to the longest row's count, in two batched matmuls; the top k per (row, KV head) as
-// top_blocks takes them, padding ranked below every candidate (each row has more than k); the chosen positions read
-// with a stable sort instead of nonzero, so no op waits for the device. [rows, KVH, m] int64 positions.
+// Every selecting row of one layer at once, on the query's device (select_rows with Scoring::kBatched): the Quest
+// bound of the rows' candidates, padded to the longest row's count, in two batched matmuls; the top k per (row, KV
+// head) as top_blocks takes them, padding ranked below every candidate (each row has more than k); the chosen positions
+// read with a stable sort instead of nonzero, so no op waits for the device. [rows, KVH, m] int64 positions.
 at::Tensor select_batched(const StepPlan& plan, const std::vector<size_t>& selecting, const LayerState& layer,
                           const at::Tensor& query, const Selection& sel) {
   RECORD_FUNCTION("activekv::select_batched", std::vector<c10::IValue>());
