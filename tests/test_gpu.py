@@ -16,6 +16,7 @@ Placements of the host tier (docs/design.md, "GPU path"):
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -323,14 +324,23 @@ def _random_blocks(num: int, block: tuple[int, ...], dtype: torch.dtype, offset:
     return raw[offset:].view(dtype).view(num, *block)
 
 
-def _gather_kernel_launches(fn) -> int:
-    """Launches of the engine's gather kernel (engine/src/cuda/gather.cu) while fn() runs."""
+def _copy_kernel_launches(fn) -> tuple[int, int]:
+    """Launches of the engine's gather kernel (the read over the bus) and of its scatter kernel (the buffer into the
+    pool's slots), engine/src/cuda/gather.cu, while fn() runs."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if "activekv" in e.key and "gather_kernel" in e.key)
+    keys = prof.key_averages()
+    return tuple(sum(e.count for e in keys if "activekv" in e.key and name in e.key)
+                 for name in ("gather_kernel", "scatter_kernel"))
+
+
+def _scatters(block: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Scatter kernel launches a copy_blocks_mapped call makes: one where a block is a multiple of 16 bytes (its buffer
+    and the pool are allocations, aligned), else none (index_copy_)."""
+    return int(math.prod(block) * dtype.itemsize % 16 == 0)
 
 
 # (block shape, dtype, src offset in bytes, whether the gather kernel takes it)
@@ -368,8 +378,8 @@ def test_mapped_gather_moves_index_selects_bytes(block: tuple[int, ...], dtype: 
                 list(range(299, -1, -2))):
         slots = rng.sample(range(256), len(ids))
         dst.zero_()
-        launches = _gather_kernel_launches(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
-        assert launches == (1 if kernel else 0), (block, offset, launches)
+        launches = _copy_kernel_launches(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
+        assert launches == (int(kernel), _scatters(block, dtype)), (block, offset, launches)
         want = src.index_select(0, torch.tensor(ids))
         assert torch.equal(dst[slots].cpu().view(torch.uint8), want.view(torch.uint8))
         untouched = sorted(set(range(256)) - set(slots))
@@ -394,8 +404,8 @@ def test_mapped_copy_engines_move_index_selects_bytes(block: tuple[int, ...], dt
     for ids in (list(range(40, 240)), [5, 6, 7, 100, 101, 3, 3, 299], list(range(299, -1, -2))):
         slots = rng.sample(range(256), len(ids))
         dst.zero_()
-        launches = _gather_kernel_launches(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
-        assert launches == 0, (block, offset, launches)
+        launches = _copy_kernel_launches(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
+        assert launches == (0, _scatters(block, dtype)), (block, offset, launches)
         want = src.index_select(0, torch.tensor(ids))
         assert torch.equal(dst[slots].cpu().view(torch.uint8), want.view(torch.uint8))
         untouched = sorted(set(range(256)) - set(slots))
@@ -414,8 +424,8 @@ def test_mapped_copy_takes_the_copy_engines_for_long_runs(monkeypatch: pytest.Mo
     stream = torch.cuda.Stream()
     for ids, launches_want in ((list(range(100, 164)), 0), (list(range(0, 256, 4)), 1)):
         slots = list(range(63, -1, -1))
-        launches = _gather_kernel_launches(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
-        assert launches == launches_want, (ids[:3], launches)
+        launches = _copy_kernel_launches(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
+        assert launches == (launches_want, 1), (ids[:3], launches)
         assert torch.equal(dst[slots].cpu().view(torch.uint8), src.index_select(0, torch.tensor(ids)).view(torch.uint8))
 
 

@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
+#include "env_int.h"
 #include "forward_path.h"
 
 namespace activekv {
@@ -18,13 +18,7 @@ namespace {
 
 // ACTIVEKV_CUDA_SPLIT: 16-token sub-tiles per work item of the decode batch (1..64, rounded up to whole blocks), for
 // measuring the split; unset or out of range: the plan's own choice.
-int64_t split_override() {
-  const char* v = std::getenv("ACTIVEKV_CUDA_SPLIT");
-  if (v == nullptr) return 0;
-  char* end = nullptr;
-  const long x = std::strtol(v, &end, 10);
-  return end != v && *end == '\0' && x >= 1 && x <= kCudaBatchMaxSplit ? x : 0;
-}
+int64_t split_override() { return env_int("ACTIVEKV_CUDA_SPLIT", 1, kCudaBatchMaxSplit, 0); }
 
 class CudaPath : public AtenPath {
  public:
@@ -126,17 +120,16 @@ class CudaPath : public AtenPath {
   bool supports(int64_t rows) const { return cuda_kernel_supports(g_.head_size, rows); }
   bool contiguous_query(int64_t rows) const override { return supports(rows); }
 
-  // slots[h * n + j] is the pool slot of head h's j-th block, at row position pos[h * n + j].
-  void kernel_tile(const LayerStep& s, size_t i, const std::vector<int64_t>& slots, const std::vector<int64_t>& pos,
-                   int64_t n, int64_t first_query_pos, int64_t lq) {
+  // One index for the tile (one pinned buffer, one copy: per tile, host time is the streamed step's cost): idx[h * n
+  // + j] is the pool slot of head h's j-th block, idx[kvh * n + h * n + j] its row position.
+  void kernel_tile(const LayerStep& s, size_t i, const std::vector<int64_t>& idx, int64_t n, int64_t first_query_pos,
+                   int64_t lq) {
     CudaAttendArgs a;
     a.pool = s.kv;
-    // Slots and positions in one index (one pinned buffer, one copy): per tile, host time is the streamed step's cost.
-    std::vector<int64_t> both(slots);
-    both.insert(both.end(), pos.begin(), pos.end());
-    const auto dev = index_tensor(both, device_);
-    a.slots = dev.narrow(0, 0, static_cast<int64_t>(slots.size()));
-    a.pos = dev.narrow(0, static_cast<int64_t>(slots.size()), static_cast<int64_t>(pos.size()));
+    const auto dev = index_tensor(idx, device_);
+    const auto half = static_cast<int64_t>(idx.size()) / 2;
+    a.slots = dev.narrow(0, 0, half);
+    a.pos = dev.narrow(0, half, half);
     a.n = n;
     a.first_query_pos = first_query_pos;
     a.num_q = lq;
@@ -152,14 +145,14 @@ class CudaPath : public AtenPath {
     if (!supports(rows_[i].qg.size(1))) return AtenPath::attend_tile(s, i, tile, slots);
     const auto& w = s.plan.rows[i];
     const int64_t kvh = g_.num_kv_heads, tb = g_.tile_blocks, n = static_cast<int64_t>(slots.size());
-    std::vector<int64_t> head_slots(kvh * n), pos(kvh * n);
+    std::vector<int64_t> idx(2 * kvh * n);
     for (int64_t hh = 0; hh < kvh; ++hh) {
       for (int64_t j = 0; j < n; ++j) {
-        head_slots[hh * n + j] = slots[j];
-        pos[hh * n + j] = tile * tb + j;
+        idx[hh * n + j] = slots[j];
+        idx[(kvh + hh) * n + j] = tile * tb + j;
       }
     }
-    kernel_tile(s, i, head_slots, pos, n, w.seq - w.lq, w.lq);
+    kernel_tile(s, i, idx, n, w.seq - w.lq, w.lq);
     telemetry_.add(Counter::kTilesComputed);
   }
 
@@ -172,14 +165,14 @@ class CudaPath : public AtenPath {
     // Tiles of tile_blocks per head, as the ATen path (the same tile count in telemetry).
     for (int64_t t = 0; t < m; t += tb) {
       const int64_t n = std::min(tb, m - t);
-      std::vector<int64_t> slots(kvh * n), tpos(kvh * n);
+      std::vector<int64_t> idx(2 * kvh * n);
       for (int64_t hh = 0; hh < kvh; ++hh) {
         for (int64_t j = 0; j < n; ++j) {
-          slots[hh * n + j] = head_slots[hh * m + t + j];
-          tpos[hh * n + j] = pp[hh * m + t + j];
+          idx[hh * n + j] = head_slots[hh * m + t + j];
+          idx[(kvh + hh) * n + j] = pp[hh * m + t + j];
         }
       }
-      kernel_tile(s, i, slots, tpos, n, s.plan.rows[i].seq - 1, 1);
+      kernel_tile(s, i, idx, n, s.plan.rows[i].seq - 1, 1);
       telemetry_.add(Counter::kTilesComputed);
     }
   }

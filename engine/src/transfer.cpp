@@ -10,10 +10,10 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <tuple>
-#include <unordered_set>
 #include <utility>
+
+#include "env_int.h"
 
 namespace activekv {
 
@@ -30,17 +30,20 @@ void check_copy(const at::Tensor& src, const at::Tensor& dst, const std::vector<
   check_writable(dst, "dst");
   AKV_CHECK_VALUE(src_ids.size() == dst_ids.size(), "src_ids and dst_ids must have equal lengths, got ",
                   src_ids.size(), " and ", dst_ids.size());
-  // Sized by the batch, not by dst: this runs for every admitted tile, and dst is the whole pool.
-  std::unordered_set<int64_t> written;
-  written.reserve(dst_ids.size());
+  // A bitmap of dst's blocks: dst.size(0) / 8 bytes zeroed and one bit test per id (a hash set of the batch costs an
+  // allocation per id: at 16384 ids it was most of a checked call's host time).
+  std::vector<uint64_t> written((static_cast<size_t>(dst.size(0)) + 63) / 64, 0);
   for (size_t i = 0; i < src_ids.size(); ++i) {
     AKV_CHECK_INDEX(src_ids[i] >= 0 && src_ids[i] < src.size(0), "src_ids[", i, "] must be in [0, ", src.size(0),
                     "), got ", src_ids[i]);
     AKV_CHECK_INDEX(dst_ids[i] >= 0 && dst_ids[i] < dst.size(0), "dst_ids[", i, "] must be in [0, ", dst.size(0),
                     "), got ", dst_ids[i]);
-    // Two copies into one block would leave which one lands unspecified (index_copy_ does not order them).
-    AKV_CHECK_VALUE(written.insert(dst_ids[i]).second, "dst_ids[", i, "] = ", dst_ids[i],
-                    " repeats an earlier destination block");
+    // Two copies into one block would leave which one lands unspecified (neither index_copy_ nor the scatter kernel
+    // orders them).
+    uint64_t& word = written[static_cast<size_t>(dst_ids[i]) / 64];
+    const uint64_t bit = uint64_t{1} << (dst_ids[i] % 64);
+    AKV_CHECK_VALUE((word & bit) == 0, "dst_ids[", i, "] = ", dst_ids[i], " repeats an earlier destination block");
+    word |= bit;
   }
 }
 
@@ -76,9 +79,16 @@ void check_tiered(const at::Tensor& src, const at::Tensor& dst, const c10::Strea
                   "dst must be on the copy stream's CUDA device ", copy_stream.device(), ", got ", dst.device());
 }
 
+// The row copy kernel (cuda_kernel.h CudaGatherArgs) takes rows of 16-byte words at 16-byte aligned addresses.
+bool row_copy_fits(const void* src, const void* dst, int64_t row_bytes) {
+  return cuda_gather() != nullptr && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+}
+
 // Called on the compute stream (the current one, outside any guard of the copy stream): it waits for the copy stream's
 // work so far; `buffer` (allocated on the copy stream) and `dst_ids` (a device index, queued on the copy stream) are
-// recorded on it, then buffer is scattered into dst there.
+// recorded on it, then buffer's rows are scattered into dst's rows dst_ids there: by the row copy kernel with every
+// SM's share of HBM, else index_copy_.
 void finish_on_compute(const at::Tensor& dst, const at::Tensor& dst_ids, const at::Tensor& buffer,
                        const c10::Stream& copy_stream) {
   c10::impl::VirtualGuardImpl impl(dst.device().type());
@@ -88,26 +98,32 @@ void finish_on_compute(const at::Tensor& dst, const at::Tensor& dst_ids, const a
   copied.block(compute);
   impl.recordDataPtrOnStream(buffer.storage().data_ptr(), compute);
   impl.recordDataPtrOnStream(dst_ids.storage().data_ptr(), compute);
+  const int64_t row_bytes = buffer.size(1);
+  if (row_copy_fits(buffer.data_ptr(), dst.data_ptr(), row_bytes)) {
+    CudaGatherArgs args;
+    args.src = buffer.data_ptr();
+    args.dst = dst.data_ptr();
+    args.dst_ids = dst_ids;
+    args.rows = buffer.size(0);
+    args.row_bytes = row_bytes;
+    args.ctas = kCudaScatterCtas;
+    args.device = dst.device().index();
+    cuda_gather()(args);
+    return;
+  }
   auto shape = dst.sizes().vec();
   shape[0] = -1;
   dst.index_copy_(0, dst_ids, buffer.view(dst.scalar_type()).view(shape));
 }
 
-// An environment override read at each call (a benchmark sweeps it): the value when it is an integer in [lo, hi],
-// else `fallback`.
-int64_t env_int(const char* name, int64_t lo, int64_t hi, int64_t fallback) {
-  const char* v = std::getenv(name);
-  if (v == nullptr) return fallback;
-  char* end = nullptr;
-  const long long x = std::strtoll(v, &end, 10);
-  return end != v && *end == '\0' && x >= lo && x <= hi ? x : fallback;
-}
-
-// Runs of consecutive source blocks: src_ids[i] == src_ids[i - 1] + 1 continues a run.
-int64_t count_runs(const std::vector<int64_t>& ids) {
-  int64_t runs = ids.empty() ? 0 : 1;
-  for (size_t i = 1; i < ids.size(); ++i) runs += ids[i] != ids[i - 1] + 1;
-  return runs;
+// Where the runs of consecutive source blocks start (src_ids[i] == src_ids[i - 1] + 1 continues a run): index 0
+// first, then each i that starts a new run.
+std::vector<int64_t> run_starts(const std::vector<int64_t>& ids) {
+  std::vector<int64_t> starts;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i == 0 || ids[i] != ids[i - 1] + 1) starts.push_back(static_cast<int64_t>(i));
+  }
+  return starts;
 }
 
 // The ids as one device index on the copy stream: src_ids first (for the gather kernel; omitted when `with_src` is
@@ -148,42 +164,46 @@ std::pair<at::Tensor, at::Tensor> read_mapped(const at::Tensor& src, const at::T
                                               const std::vector<int64_t>& src_ids,
                                               const std::vector<int64_t>& dst_ids, int64_t row_bytes) {
   const auto n = static_cast<int64_t>(src_ids.size());
+  const auto buffer = [&] {
+    return at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
+  };
   at::Tensor gathered, ids;
   // The copy engines, where the blocks come in runs long enough for them (mapped_dma_min_bytes): one descriptor per
   // run of consecutive source blocks, into consecutive rows of the buffer.
   const int64_t dma_min = mapped_dma_min_bytes();
-  if (dma_min >= 0 && n * row_bytes / count_runs(src_ids) >= dma_min) {  // mean bytes per run (no overflow)
-    gathered = at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
-    CudaCopyRunsArgs runs;
-    runs.device = dst.device().index();
+  const auto starts = dma_min >= 0 ? run_starts(src_ids) : std::vector<int64_t>{};
+  const auto runs = static_cast<int64_t>(starts.size());
+  if (runs > 0 && n * row_bytes / runs >= dma_min) {  // mean bytes per run (no overflow)
+    gathered = buffer();
+    CudaCopyRunsArgs copy;
+    copy.device = dst.device().index();
     auto* from = static_cast<char*>(src.data_ptr());
     auto* to = static_cast<char*>(gathered.data_ptr());
-    for (int64_t i = 0; i < n; ++i) {
-      if (i > 0 && src_ids[i] == src_ids[i - 1] + 1) {
-        runs.bytes.back() += static_cast<size_t>(row_bytes);
-        continue;
-      }
-      runs.src.push_back(from + src_ids[i] * row_bytes);
-      runs.dst.push_back(to + i * row_bytes);
-      runs.bytes.push_back(static_cast<size_t>(row_bytes));
+    for (int64_t r = 0; r < runs; ++r) {
+      const int64_t i = starts[r], end = r + 1 < runs ? starts[r + 1] : n;
+      copy.src.push_back(from + src_ids[i] * row_bytes);
+      copy.dst.push_back(to + i * row_bytes);
+      copy.bytes.push_back(static_cast<size_t>((end - i) * row_bytes));
     }
-    if (cuda_copy_runs()(runs)) ids = copy_ids(src_ids, dst_ids, /*with_src=*/false, dst.device());
+    if (cuda_copy_runs()(copy)) ids = copy_ids(src_ids, dst_ids, /*with_src=*/false, dst.device());
   }
   if (!ids.defined()) {
     ids = copy_ids(src_ids, dst_ids, /*with_src=*/true, dst.device());
     const auto src_dev = ids.narrow(0, 0, n);
+    gathered = buffer();
     const int64_t ctas = mapped_gather_ctas();
-    if (ctas > 0 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src.data_ptr()) % 16 == 0) {
+    if (ctas > 0 && row_copy_fits(src.data_ptr(), gathered.data_ptr(), row_bytes)) {
       // The gather kernel (cuda_kernel.h CudaGatherArgs): 16-byte loads, many in flight, over the host tier's device
       // mapping (the pinned pointer itself; src outlives the kernel: the engine holds its bound host tier, a caller
       // holds src).
-      gathered = at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
       CudaGatherArgs args;
       args.src = src.data_ptr();
-      args.ids = src_dev;
-      args.dst = gathered;
+      args.src_ids = src_dev;
+      args.dst = gathered.data_ptr();
+      args.rows = n;
       args.row_bytes = row_bytes;
       args.ctas = ctas;
+      args.device = dst.device().index();
       cuda_gather()(args);
     } else {
       // Without the kernel, or rows not 16-byte aligned: index_select over the same mapping, in words of 8 bytes when
@@ -192,7 +212,8 @@ std::pair<at::Tensor, at::Tensor> read_mapped(const at::Tensor& src, const at::T
       const int64_t row_words = row_bytes / (word == at::kLong ? 8 : 1);
       auto mapped = at::from_blob(src.data_ptr(), {src.size(0), row_words}, [](void*) {},
                                   at::TensorOptions().dtype(word).device(dst.device()));
-      gathered = mapped.index_select(0, src_dev);  // reads host memory in the kernel
+      auto out = gathered.view(word);
+      at::index_select_out(out, mapped, 0, src_dev);  // reads host memory in the kernel
     }
   }
   return {gathered, ids};

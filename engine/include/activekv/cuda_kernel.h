@@ -116,7 +116,9 @@ struct CudaKvWriteArgs {
                             ///< pinned host memory mapped into the device (host pointer = device pointer, UVA)
   at::Tensor pool;          ///< [pool_blocks, num_kv_heads, 2, block_size, head_size] contiguous on the device
   at::Tensor page;          ///< int32 [num_blocks] on the device, block -> pool slot or -1; undefined: no pool copies
-  at::Tensor key_min;       ///< [num_blocks, num_kv_heads, head_size] contiguous on the device, the KV dtype; undefined in exact mode (no key metadata)
+  /// [num_blocks, num_kv_heads, head_size] contiguous on the device, the KV dtype; undefined in exact mode (no key
+  /// metadata)
+  at::Tensor key_min;
   at::Tensor key_max;       ///< same
   at::Tensor key, value;    ///< [>= n, num_kv_heads, head_size] any strides on the device, the KV dtype
   at::Tensor slot_mapping;  ///< int32 or int64 [n] on the device, any stride: slot of token i, -1 = padding
@@ -129,18 +131,24 @@ using CudaKvWriteFn = void (*)(const CudaKvWriteArgs&);
 CudaKvWriteFn cuda_kv_write();
 void register_cuda_kv_write(CudaKvWriteFn fn);
 
-/// The mapped gather (transfer.h copy_blocks_mapped): rows of row_bytes gathered by id from pinned host memory, read
-/// through its device mapping (UVA), into a contiguous device buffer, by one launch on the current stream. 16-byte
-/// loads, coalesced (consecutive threads read consecutive 16 bytes of a row), several loads in flight per thread
-/// before its stores: a read from an SM crosses the bus at its latency, so the bus is filled only by many outstanding
-/// requests. `ctas` CTAs take the rows' 16-byte words in a grid-stride loop; fewer CTAs leave more SMs to the compute
-/// stream. Copies only: the bytes equal index_select's.
+/// The row copy behind copy_blocks_mapped (transfer.h): rows of row_bytes copied from src to dst by one launch on the
+/// device's current stream, row j of the batch read from src row src_ids[j] (or j) and written to dst row dst_ids[j]
+/// (or j), exactly one of the two ids given. Its two uses, two kernels of one body: gather_kernel, the pinned host
+/// tier read through its device mapping (UVA) into a contiguous device buffer; scatter_kernel, that buffer written
+/// into the pool's slots on the compute stream. 16-byte loads, coalesced (consecutive threads read consecutive 16 bytes
+/// of a row), several loads in flight per thread before its stores: a read from an SM crosses the bus at its latency,
+/// so the bus is filled only by many outstanding requests. `ctas` CTAs take the rows' 16-byte words in a grid-stride
+/// loop; fewer CTAs leave more SMs to the compute stream. Copies only: the bytes equal index_select's (gather) and
+/// index_copy_'s (scatter).
 struct CudaGatherArgs {
-  const void* src = nullptr;  ///< the mapped host rows, [>= max(ids) + 1, row_bytes], 16-byte aligned
-  at::Tensor ids;             ///< int64 [n] on the device, each in range (the caller checked them)
-  at::Tensor dst;             ///< uint8 [n, row_bytes] contiguous on the device, 16-byte aligned
+  const void* src = nullptr;  ///< device-readable rows (device memory or mapped pinned host memory), 16-byte aligned
+  at::Tensor src_ids;         ///< int64 [n] on the device, each a row of src (the caller checked them); undefined: j
+  void* dst = nullptr;        ///< device rows, 16-byte aligned
+  at::Tensor dst_ids;         ///< int64 [n] on the device, distinct rows of dst (the caller checked them); undefined: j
+  int64_t rows = 0;           ///< n, the rows copied
   int64_t row_bytes = 0;      ///< a multiple of 16
   int64_t ctas = 0;           ///< CTAs of the launch, >= 1
+  int device = 0;             ///< the CUDA device whose current stream takes the launch
 };
 
 using CudaGatherFn = void (*)(const CudaGatherArgs&);
@@ -149,6 +157,9 @@ using CudaGatherFn = void (*)(const CudaGatherArgs&);
 /// 132 SMs, many more requests in flight than the bus's bandwidth-delay product (tens of KiB at a few microseconds),
 /// since an SM has only so many outstanding misses; tools/bench_gpu.py sweeps it.
 constexpr int64_t kCudaGatherCtas = 32;
+/// CTAs of the scatter from the gathered buffer into the pool (device memory on both sides, on the compute stream, the
+/// stream's other work waiting on it): four 512-thread CTAs per SM of an H100/H200, every SM's share of HBM.
+constexpr int64_t kCudaScatterCtas = 528;
 
 /// The registered mapped gather, or nullptr in a build without CUDA (copy_blocks_mapped then uses index_select).
 CudaGatherFn cuda_gather();

@@ -48,8 +48,9 @@ int64_t copy_blocks_staged(const at::Tensor& src, const at::Tensor& dst, const s
                            const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream);
 
 /// copy_blocks from a pinned CPU `src` to a CUDA `dst` read straight from host memory over the bus, into a device
-/// buffer on `copy_stream`; the compute stream waits on an event and scatters into dst. No CPU gather and no pinned
-/// staging. Same ordering rules as copy_blocks_staged. Two ways to read, chosen per call by how the blocks lie in src:
+/// buffer on `copy_stream`; the compute stream waits on an event and scatters into dst (the row copy's scatter kernel
+/// where a block is a multiple of 16 bytes, else index_copy_). No CPU gather and no pinned staging. Same ordering
+/// rules as copy_blocks_staged. Two ways to read, chosen per call by how the blocks lie in src:
 ///  - where the batch's runs of consecutive source blocks average at least mapped_dma_min_bytes() (a tile whose blocks
 ///    lie in order in the host tier is one run), the copy engines: one cudaMemcpyBatchAsync of the runs
 ///    (cuda_kernel.h CudaCopyRunsArgs), no SM used;

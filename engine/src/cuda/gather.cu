@@ -1,6 +1,7 @@
-// The mapped gather (cuda_kernel.h CudaGatherArgs): blocks read by id from pinned host memory through its device
-// mapping into a contiguous device buffer, one launch on the current stream; and its copy-engine side
-// (CudaCopyRunsArgs): runs of blocks queued by one cudaMemcpyBatchAsync. ATen for tensors and streams only; no Python.
+// The row copy (cuda_kernel.h CudaGatherArgs): blocks read by id from pinned host memory through its device mapping
+// into a contiguous device buffer, or from that buffer into the pool's slots, one launch on the current stream; and
+// the copy engines' side (CudaCopyRunsArgs): runs of blocks queued by one cudaMemcpyBatchAsync. ATen for tensors and
+// streams only; no Python.
 #include <activekv/cuda_kernel.h>
 
 #include <ATen/ATen.h>
@@ -18,52 +19,79 @@ constexpr int kThreads = 512;
 // 16-byte loads each thread has in flight before its first store: 8 per thread, 64 KiB per CTA.
 constexpr int kUnroll = 8;
 
-// The rows as 16-byte words: word i of the output is word i % row_words of row ids[i / row_words]. A CTA takes tiles
-// of kThreads * kUnroll consecutive words, thread t words t, t + kThreads, ...: consecutive threads read consecutive
-// words of a row (a tile may span rows). A thread first loads its words' ids (device memory), then issues all its
-// host loads, then stores: the loads over the bus overlap one another, and no bus read waits on another's id.
-__global__ void __launch_bounds__(kThreads)
-    gather_kernel(const uint4* __restrict__ src, const int64_t* __restrict__ ids, uint4* __restrict__ dst,
-                  int64_t row_words, int64_t total) {
+// The rows as 16-byte words: word i of the batch is word i % row_words of batch row j = i / row_words, read from src
+// row src_ids[j] (or j) and written to dst row dst_ids[j] (or j). A CTA takes tiles of kThreads * kUnroll consecutive
+// words, thread t words t, t + kThreads, ...: consecutive threads read consecutive words of a row (a tile may span
+// rows). A thread first loads its words' ids (device memory), then issues all its loads, then stores: the loads (over
+// the bus, for the mapped gather) overlap one another, and no load waits on another's id.
+__device__ __forceinline__ void copy_rows(const uint4* __restrict__ src, const int64_t* __restrict__ src_ids,
+                                          uint4* __restrict__ dst, const int64_t* __restrict__ dst_ids,
+                                          int64_t row_words, int64_t total) {
   constexpr int64_t kTile = static_cast<int64_t>(kThreads) * kUnroll;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kTile + threadIdx.x; base < total;
        base += static_cast<int64_t>(gridDim.x) * kTile) {
-    int64_t at[kUnroll];
+    int64_t from[kUnroll], to[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
       const int64_t i = base + static_cast<int64_t>(k) * kThreads;
-      const int64_t row = i / row_words;
-      at[k] = i < total ? ids[row] * row_words + (i - row * row_words) : -1;
+      const int64_t row = i / row_words, word = i - row * row_words;
+      from[k] = i < total ? (src_ids != nullptr ? src_ids[row] : row) * row_words + word : -1;
+      to[k] = i < total ? (dst_ids != nullptr ? dst_ids[row] : row) * row_words + word : -1;
     }
     uint4 w[kUnroll];
 #pragma unroll
-    for (int k = 0; k < kUnroll; ++k) w[k] = at[k] >= 0 ? src[at[k]] : make_uint4(0u, 0u, 0u, 0u);
+    for (int k = 0; k < kUnroll; ++k) w[k] = from[k] >= 0 ? src[from[k]] : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
     for (int k = 0; k < kUnroll; ++k) {
-      if (at[k] >= 0) dst[base + static_cast<int64_t>(k) * kThreads] = w[k];
+      if (to[k] >= 0) dst[to[k]] = w[k];
     }
   }
 }
 
+// Two kernels of one body, so that a profile tells the read over the bus from the scatter in device memory.
+__global__ void __launch_bounds__(kThreads)
+    gather_kernel(const uint4* __restrict__ src, const int64_t* __restrict__ src_ids, uint4* __restrict__ dst,
+                  int64_t row_words, int64_t total) {
+  copy_rows(src, src_ids, dst, nullptr, row_words, total);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    scatter_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, const int64_t* __restrict__ dst_ids,
+                   int64_t row_words, int64_t total) {
+  copy_rows(src, nullptr, dst, dst_ids, row_words, total);
+}
+
+const int64_t* ids_or_null(const at::Tensor& ids, int64_t n) {
+  if (!ids.defined()) return nullptr;
+  TORCH_INTERNAL_ASSERT(ids.is_cuda() && ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.size(0) == n &&
+                            ids.is_contiguous(),
+                        "gather_cuda: ids must be ", n, " contiguous int64 on the device");
+  return ids.data_ptr<int64_t>();
+}
+
 void gather_cuda(const CudaGatherArgs& a) {
-  // The caller (copy_blocks_mapped) checked the ids and chose this path for aligned rows; these guard the kernel's
-  // own assumptions.
-  TORCH_INTERNAL_ASSERT(a.ids.is_cuda() && a.ids.scalar_type() == at::kLong && a.ids.dim() == 1 &&
-                            a.dst.is_cuda() && a.dst.is_contiguous() && a.dst.dim() == 2 &&
-                            a.dst.size(0) == a.ids.size(0) && a.dst.size(1) * a.dst.element_size() == a.row_bytes,
-                        "gather_cuda: unexpected ids or dst");
+  // The caller (transfer.cpp) checked the ids and chose this path for aligned rows; these guard the kernel's own
+  // assumptions.
   TORCH_INTERNAL_ASSERT(a.row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(a.src) % 16 == 0 &&
-                            reinterpret_cast<uintptr_t>(a.dst.data_ptr()) % 16 == 0 && a.ctas >= 1,
-                        "gather_cuda: rows not 16-byte aligned, or ", a.ctas, " CTAs");
-  const int64_t n = a.ids.size(0), row_words = a.row_bytes / 16;
-  if (n == 0 || row_words == 0) return;
-  const int64_t total = n * row_words;
+                            reinterpret_cast<uintptr_t>(a.dst) % 16 == 0 && a.ctas >= 1 && a.rows >= 0,
+                        "gather_cuda: rows not 16-byte aligned, or ", a.ctas, " CTAs, or ", a.rows, " rows");
+  const int64_t* src_ids = ids_or_null(a.src_ids, a.rows);
+  const int64_t* dst_ids = ids_or_null(a.dst_ids, a.rows);
+  TORCH_INTERNAL_ASSERT((src_ids == nullptr) != (dst_ids == nullptr), "gather_cuda: src_ids or dst_ids, one of them");
+  const int64_t row_words = a.row_bytes / 16;
+  if (a.rows == 0 || row_words == 0) return;
+  const int64_t total = a.rows * row_words;
   constexpr int64_t kTile = static_cast<int64_t>(kThreads) * kUnroll;
   // No more CTAs than tiles: a CTA past the last tile would only return.
   const auto ctas = static_cast<unsigned>(std::min(a.ctas, (total + kTile - 1) / kTile));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.dst.device().index()).stream();
-  gather_kernel<<<ctas, kThreads, 0, stream>>>(static_cast<const uint4*>(a.src), a.ids.data_ptr<int64_t>(),
-                                               static_cast<uint4*>(a.dst.data_ptr()), row_words, total);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(a.device)).stream();
+  const auto* from = static_cast<const uint4*>(a.src);
+  auto* to = static_cast<uint4*>(a.dst);
+  if (src_ids != nullptr) {
+    gather_kernel<<<ctas, kThreads, 0, stream>>>(from, src_ids, to, row_words, total);
+  } else {
+    scatter_kernel<<<ctas, kThreads, 0, stream>>>(from, to, dst_ids, row_words, total);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
