@@ -2,11 +2,11 @@
 (exact mode, a pool of 8 blocks of 16 tokens per layer) and stock `vllm serve` on the real model, each driven by the
 OpenAI client with the same 16 concurrent streaming requests of mixed lengths (up to 4x the pool), every 8th cancelled
 mid-stream: 3 waves on ActiveKV (the first the warm-up) and 1 on stock vLLM (`--stock-waves 1`: the reference every
-ActiveKV wave is compared with; stock vLLM's repeatability across waves is left to `make serve-load`). Measured with 3
-stock waves as well: 236 s for both servers on a machine shared with two other jobs, the compiled graphs already in
-inductor's cache (tools/vllm_run.py COMPILE_CACHE_ENV); 437 s with 32 requests a wave and no usable compile cache. No
-error response; every finished request's tokens equal stock vLLM's, a difference allowed only after a near tie; the
-server's resident memory grows by at most 2% over the last half of the run."""
+ActiveKV wave is compared with; stock vLLM's repeatability across waves is left to `make serve-load`). The two servers
+start at once (tools/serve_load.py): measured 230 s for the test, the compiled graphs already in inductor's cache
+(tools/vllm_run.py COMPILE_CACHE_ENV), on a machine shared with another job; 459 s there with the servers started one
+after the other. No error response; every finished request's tokens equal stock vLLM's, a difference allowed only after
+a near tie; the server's resident memory grows by at most 2% over the last half of the run."""
 
 from __future__ import annotations
 

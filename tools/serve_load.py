@@ -2,10 +2,11 @@
 
     python -m tools.serve_load [--requests 64] [--waves 8] [--stock-waves N] [--pool-blocks 16] [--json OUT]
 
-For each server in turn (stock vLLM with CPU_ATTN first, then `activekv serve` in exact mode with a pool of
---pool-blocks blocks of 16 tokens per layer), on a free loopback port, float32, vLLM's default compiled mode and its
-default multiprocess engine core: --waves waves of --requests concurrent streaming completions (the `openai`
-package's AsyncOpenAI, greedy, ignore_eos, top-2 logprobs, tokens returned as ids). Each wave is the same seeded
+Both servers (stock vLLM with CPU_ATTN, and `activekv serve` in exact mode with a pool of --pool-blocks blocks of 16
+tokens per layer) start at once, each on a free loopback port, float32, vLLM's default compiled mode and its default
+multiprocess engine core; once both answer, each in turn (stock first, the other idle) gets --waves waves of
+--requests concurrent streaming completions (the `openai` package's AsyncOpenAI, greedy, ignore_eos, top-2 logprobs,
+tokens returned as ids) and is stopped after its last wave. Each wave is the same seeded
 load in the same arrival order (requests started in order, --gap-ms apart): real-text prompts (slices of Python's
 documentation, pydoc_data, in the model's chat template) of mixed lengths, from short to several times the pool,
 with 4-48 new tokens; every --cancel-every-th request closes its stream after a few chunks (a client that goes away).
@@ -162,9 +163,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_and_load(kind: str, model: Path, load: list[Request], waves: int, gap_s: float, pool_blocks: int,
-                   log_dir: Path, max_num_seqs: int) -> dict[str, Any]:
-    """Start one server (`stock` or `activekv`), run the waves, stop it; its results and RSS per wave."""
+@dataclass
+class Server:
+    kind: str
+    proc: subprocess.Popen
+    port: int
+    log: Path
+    started: float
+
+
+def start_server(kind: str, model: Path, pool_blocks: int, log_dir: Path, max_num_seqs: int) -> Server:
+    """Start one server (`stock` or `activekv`) in its own process group, on a free port; returns at once."""
     port = _free_port()
     args = ["serve", str(model), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", str(SPEC["max_position_embeddings"]), "--served-model-name", "smollm2",
@@ -184,29 +193,57 @@ def serve_and_load(kind: str, model: Path, load: list[Request], waves: int, gap_
     started = time.monotonic()
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Server(kind, proc, port, log, started)
+
+
+def stop_server(server: Server) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 120 s."""
+    proc = server.proc
     try:
-        _wait_healthy(proc, port, log, START_TIMEOUT_S)
-        start_s = time.monotonic() - started
-        results: list[list[Result]] = []
-        rss: list[float] = []
-        wave_s: list[float] = []
-        for _ in range(waves):
-            t0 = time.monotonic()
-            results.append(asyncio.run(_wave(port, "smollm2", load, gap_s)))
-            wave_s.append(time.monotonic() - t0)
-            time.sleep(1)  # let the engine core finish aborting cancelled requests before reading memory
-            rss.append(group_rss_mib(proc.pid))
-        return {"results": results, "rss_mib": rss, "wave_s": wave_s, "start_s": start_s}
-    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=120)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=30)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+def load_server(server: Server, load: list[Request], waves: int, gap_s: float) -> dict[str, Any]:
+    """Run the waves on a healthy server; its results, RSS after each wave and seconds per wave."""
+    results: list[list[Result]] = []
+    rss: list[float] = []
+    wave_s: list[float] = []
+    for _ in range(waves):
+        t0 = time.monotonic()
+        results.append(asyncio.run(_wave(server.port, "smollm2", load, gap_s)))
+        wave_s.append(time.monotonic() - t0)
+        time.sleep(1)  # let the engine core finish aborting cancelled requests before reading memory
+        rss.append(group_rss_mib(server.proc.pid))
+    return {"results": results, "rss_mib": rss, "wave_s": wave_s}
+
+
+def serve_and_load(model: Path, load: list[Request], waves: dict[str, int], gap_s: float, pool_blocks: int,
+                   log_dir: Path, max_num_seqs: int) -> dict[str, dict[str, Any]]:
+    """Start both servers at once (their start-ups overlap), then run each one's waves in turn (stock first), the
+    other server idle, and stop each after its waves. Per server: its results, RSS and seconds per wave, start time."""
+    servers = [start_server(kind, model, pool_blocks, log_dir, max_num_seqs) for kind in ("stock", "activekv")]
+    try:
+        start_s: dict[str, float] = {}
+        for server in servers:
+            _wait_healthy(server.proc, server.port, server.log, START_TIMEOUT_S)
+            start_s[server.kind] = time.monotonic() - server.started
+        runs = {}
+        for server in list(servers):
+            run = load_server(server, load, waves[server.kind], gap_s)
+            runs[server.kind] = {**run, "start_s": start_s[server.kind]}
+            servers.remove(server)
+            stop_server(server)
+        return runs
+    finally:
+        for server in servers:
+            stop_server(server)
 
 
 def growth(rss: list[float]) -> float:
@@ -294,8 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     load = make_load(tokenizer, args.requests, args.pool_blocks * BLOCK_SIZE, args.seed, args.cancel_every)
     args.log_dir.mkdir(parents=True, exist_ok=True)
     waves = {"stock": stock_waves, "activekv": args.waves}
-    runs = {kind: serve_and_load(kind, model, load, waves[kind], args.gap_ms / 1000, args.pool_blocks, args.log_dir,
-                                 args.max_num_seqs) for kind in ("stock", "activekv")}
+    runs = serve_and_load(model, load, waves, args.gap_ms / 1000, args.pool_blocks, args.log_dir, args.max_num_seqs)
     summary = summarize(load, runs["stock"], runs["activekv"])
     summary["pool_tokens"] = args.pool_blocks * BLOCK_SIZE
     summary["longer_than_pool"] = sum(len(r.prompt) > summary["pool_tokens"] for r in load)
