@@ -15,9 +15,11 @@ into a shim folder of the toolkit. The shim exists for this check only; real bui
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch.utils.cpp_extension as cpp_ext
@@ -46,14 +48,20 @@ def main() -> int:
     includes = ["-I", str(ROOT / "engine" / "include"), "-isystem", str(args.toolkit / "shim")]
     for inc in cpp_ext.include_paths():
         includes += ["-isystem", inc]
-    failed = 0
     out_dir = args.toolkit / "obj"
     out_dir.mkdir(exist_ok=True)
-    for src in sources:
+
+    def compile_one(src: Path) -> subprocess.CompletedProcess:
         cmd = [str(nvcc), "-std=c++17", f"-arch={args.arch}", "-c", str(src), "-o", str(out_dir / (src.stem + ".o")),
                *includes, f"-I{cuda / 'include'}", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch_abi())}",
                "-Xptxas=-v,-warn-spills", "-Werror=all-warnings", "--expt-relaxed-constexpr"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    # One nvcc per core: each spends most of its time in the host compiler on torch's headers, single-threaded.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        results = list(pool.map(compile_one, sources))
+    failed = 0
+    for src, done in zip(sources, results):
         log = done.stdout + done.stderr
         spills = [ln for ln in log.splitlines() if re.search(r"[1-9]\d* bytes spill (stores|loads)", ln)]
         regs = sorted({int(m) for m in re.findall(r"Used (\d+) registers", log)})
