@@ -7,6 +7,7 @@ its own ACTIVEKV_TELEMETRY_DIR under tmp_path, so other tests' engines and other
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -296,6 +297,68 @@ def test_telemetry_json_of_a_child_that_ends_with_os_exit_is_written_by_its_ance
     telemetry.process_tree_snapshots()
     assert json.loads(out.read_text())["info"]["num_layers"] == 3
     assert segments() == []
+
+
+# An "engine core" (env: OUT, HOLD): builds a 3-layer engine with telemetry_json=$OUT, says READY with its pid, lives
+# HOLD seconds more, then ends with os._exit.
+ENGINE_CORE_LIVES_ON = textwrap.dedent(
+    """
+    import os, time, torch
+    import activekv._backend as backend
+    from tests.test_telemetry_publish import SPEC, vllm_config
+    b = backend.Builder(SPEC, ["l0", "l1", "l2"], vllm_config({"telemetry_json": os.environ["OUT"]}),
+                        torch.device("cpu"))
+    print("READY", os.getpid(), flush=True)
+    time.sleep(float(os.environ["HOLD"]))
+    os._exit(0)
+    """
+)
+
+# vLLM's API server in small (env: ACTIVEKV_TELEMETRY_DIR, PYTHONPATH, OUT, HOLD, CHILD): it builds its StatLogger from
+# a config naming telemetry_json=$OUT (which registers the exit-time collection), starts $CHILD (the engine core
+# above) and exits normally as soon as that engine is built, as after vLLM's shutdown, whose SIGKILL a loaded engine
+# core outlives for a moment.
+EXITS_BEFORE_ITS_ENGINE = textwrap.dedent(
+    """
+    import os, subprocess, sys, torch
+    import prometheus_client
+    from types import SimpleNamespace
+    import activekv._telemetry as telemetry
+    config = SimpleNamespace(model_config=SimpleNamespace(served_model_name="tiny"),
+                             additional_config={"activekv": {"telemetry_json": os.environ["OUT"]}})
+    telemetry.StatLogger(config, [0], prometheus_client.CollectorRegistry)
+    child = subprocess.Popen([sys.executable, "-c", os.environ["CHILD"]], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    print(child.stdout.readline().strip(), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("hold_s", [1.0, 60.0])
+def test_an_engine_still_running_when_the_api_server_exits_gets_its_json_written(
+    seg_dir: dict[str, str], tmp_path: Path, hold_s: float
+) -> None:
+    """vLLM's shutdown (--shutdown-timeout 0, its default) SIGKILLs the engine core and exits at once; on a loaded
+    machine the killed process was still ending when the API server's exit-time collection ran, which took it for a
+    live process and wrote no file. The collection waits for such a descendant (up to 5 s in all), then writes the
+    file from its segment: removed once its process ended (1 s), kept while it still runs (60 s)."""
+    pytest.importorskip("prometheus_client")
+    out = tmp_path / "engine-core.json"
+    env = {**seg_dir, "OUT": str(out), "HOLD": str(hold_s), "CHILD": ENGINE_CORE_LIVES_ON}
+    done = subprocess.run([sys.executable, "-c", EXITS_BEFORE_ITS_ENGINE], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    ready, pid = done.stdout.split()
+    assert ready == "READY", done.stdout
+    try:
+        assert json.loads(out.read_text())["info"]["num_layers"] == 3
+        stat_line = Path(f"/proc/{pid}/stat").read_text() if Path(f"/proc/{pid}").exists() else ""
+        still_runs = bool(stat_line) and stat_line.rsplit(")", 1)[1].split()[0] not in "ZX"  # a zombie has ended
+        assert still_runs == (hold_s > 5), (hold_s, still_runs)
+        assert len(segments()) == int(still_runs)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
 
 
 # ------------------------------------------------------------------ hostile input in the telemetry folder (issue 29)

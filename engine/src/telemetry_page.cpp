@@ -20,6 +20,7 @@
 #include <fstream>
 #include <new>
 #include <sstream>
+#include <thread>
 
 namespace activekv {
 
@@ -117,6 +118,12 @@ TelemetrySnapshot read_page(const TelemetryPage& p) {
 using namespace telemetry_detail;
 
 namespace {
+
+// True while `pid` is the process that started at `start_ticks` and has not ended (a zombie has ended).
+bool running(int64_t pid, int64_t start_ticks) {
+  int64_t ppid = 0, start = 0;
+  return proc_stat(pid, &ppid, &start) && start == start_ticks;
+}
 
 bool descends_from(int64_t pid, int64_t ancestor) {
   for (int depth = 0; depth < 64 && pid > 1; ++depth) {
@@ -316,8 +323,9 @@ Telemetry::~Telemetry() {
   }
 }
 
-std::vector<PublishedTelemetry> snapshot_process_tree() {
+std::vector<PublishedTelemetry> snapshot_process_tree(bool at_exit) {
   const int64_t self = static_cast<int64_t>(::getpid());
+  const auto exit_deadline = std::chrono::steady_clock::now() + kExitWait;
   std::vector<PublishedTelemetry> out;
   for (auto& [id, s] : snapshot_live_engines()) out.push_back({self, id, std::move(s)});
   std::set<std::string> configured;  // the telemetry_json paths this process's own configuration named
@@ -358,22 +366,33 @@ std::vector<PublishedTelemetry> snapshot_process_tree() {
     const auto* page = static_cast<const TelemetryPage*>(mem);
     if (page->magic.load(std::memory_order_acquire) == TelemetryPage::kMagic && page->layout == kLayout &&
         page->pid != self) {
-      int64_t ppid = 0, start = 0;
-      if (!proc_stat(page->pid, &ppid, &start) || start != page->start_ticks) {
+      const int32_t len = page->json_path_len.load(std::memory_order_acquire);
+      bool ours = false, orphaned = true;
+      for (int i = 0; i < kAncestors && page->ancestors[i] > 0; ++i) {
+        ours = ours || page->ancestors[i] == self;
+        int64_t p2 = 0, s2 = 0;
+        if (page->ancestors[i] > 1 && proc_stat(page->ancestors[i], &p2, &s2)) orphaned = false;
+      }
+      // The page's path only selects among the paths configured here: a path read from a file is never written to.
+      const auto path = len > 0 && len < kJsonPath && ours ? configured.find(std::string(page->json_path, len))
+                                                           : configured.end();
+      bool alive = running(page->pid, page->start_ticks);
+      if (alive && at_exit && path != configured.end()) {
+        // This process is exiting and a descendant that asked for a telemetry_json path configured here still runs:
+        // vLLM's shutdown (timeout 0 by default) has just sent it SIGKILL, and a killed process takes a moment to
+        // end (it unmaps its KV cache), longer on a loaded machine. Wait for it, up to kExitWait for all of them,
+        // then write what its page holds: it is never written after this.
+        while (alive && std::chrono::steady_clock::now() < exit_deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          alive = running(page->pid, page->start_ticks);
+        }
+        orphans[*path].push_back(read_page(*page));
+        if (!alive) ::unlinkat(dir, name.c_str(), 0);
+      } else if (!alive) {
         // Its process is gone (or the pid names another process now) without destroying the engine: vLLM's engine
         // core ends with os._exit. The page holds the final values: when the engine asked for telemetry_json, this
-        // process is its ancestor and this process's own configuration names the same path, write them now. The
-        // page's path only selects among the paths configured here: a path read from a file is never written to.
-        // A segment whose ancestors are all gone is removed too.
-        const int32_t len = page->json_path_len.load(std::memory_order_acquire);
-        bool ours = false, orphaned = true;
-        for (int i = 0; i < kAncestors && page->ancestors[i] > 0; ++i) {
-          ours = ours || page->ancestors[i] == self;
-          int64_t p2 = 0, s2 = 0;
-          if (page->ancestors[i] > 1 && proc_stat(page->ancestors[i], &p2, &s2)) orphaned = false;
-        }
-        const auto path = len > 0 && len < kJsonPath && ours ? configured.find(std::string(page->json_path, len))
-                                                             : configured.end();
+        // process is its ancestor and this process's own configuration names the same path, write them now. A
+        // segment whose ancestors are all gone is removed too.
         if (path != configured.end()) {
           orphans[*path].push_back(read_page(*page));
           ::unlinkat(dir, name.c_str(), 0);
@@ -405,7 +424,7 @@ void collect_ended_descendants_at_exit() {
   std::lock_guard<std::mutex> lock(r.mu);
   if (r.reader_atexit_registered) return;
   r.reader_atexit_registered = true;
-  std::atexit([] { snapshot_process_tree(); });
+  std::atexit([] { snapshot_process_tree(/*at_exit=*/true); });
 }
 
 void expect_descendant_telemetry_json(const std::string& path) {

@@ -21,6 +21,7 @@
 /// created, the engine keeps the same page in heap memory (only its own process sees it) and says why once on stderr.
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -170,16 +171,23 @@ struct PublishedTelemetry {
 /// outlives the process) are written to that file first, merged per path. Segments of unrelated live processes are
 /// ignored. Never throws and never blocks on a bad entry: a file that is not a regular 0600 file of this user of a
 /// page's size, or not a page, is skipped and left alone; a refused folder is skipped with one warning on stderr.
-std::vector<PublishedTelemetry> snapshot_process_tree();
+/// `at_exit` (collect_ended_descendants_at_exit): a descendant whose telemetry_json would be written here and whose
+/// process still runs is waited for, up to kExitWait for all of them, and its file written from its page either way.
+std::vector<PublishedTelemetry> snapshot_process_tree(bool at_exit = false);
+
+/// How long the exit-time snapshot_process_tree() waits for descendants that are still ending (vLLM's own grace for a
+/// best-effort shutdown is 5 s).
+inline constexpr std::chrono::milliseconds kExitWait{5000};
 
 /// Let snapshot_process_tree() write `path` for descendant engines that ended (os._exit) and asked for the same
 /// telemetry_json: the API server calls this with the option from its own configuration (vLLM hands the engine core
 /// the same one). The path in a page only selects among these; it is never written to on its own.
 void expect_descendant_telemetry_json(const std::string& path);
 
-/// At this process's normal exit, run snapshot_process_tree() once more, so that descendant engines that ended
-/// with their process (never destroyed) and asked for telemetry_json get their file written (the API server calls
-/// this: vLLM's engine-core process ends with os._exit, which runs no destructor and no atexit handler).
+/// At this process's normal exit, run snapshot_process_tree(at_exit=true) once more, so that descendant engines that
+/// ended with their process (never destroyed) and asked for telemetry_json get their file written, those still
+/// ending after vLLM's SIGKILL included (the API server calls this: vLLM's engine-core process ends with os._exit,
+/// which runs no destructor and no atexit handler, or is killed).
 void collect_ended_descendants_at_exit();
 
 /// One Prometheus sample of a family: its sample name (the family's, or with _total, _bucket, _count or _sum), the
