@@ -242,7 +242,7 @@ for call in (lambda: _backend.check_patch_series(sys.argv[1], sys.argv[2]),
     try:
         print("returned", call())
     except RuntimeError as e:
-        print("RuntimeError:", str(e)[:300])
+        print("RuntimeError:", str(e)[:4000])  # whole messages (paths under a pytest-xdist worker are long), not 200 kB
 """
 
 
