@@ -25,6 +25,7 @@ CCACHE ?= $(VENV)/bin/ccache
 CMAKE_CCACHE = $(if $(wildcard $(CCACHE)),-Ccmake.define.CMAKE_CXX_COMPILER_LAUNCHER=$(abspath $(CCACHE)) \
 	-Ccmake.define.CMAKE_C_COMPILER_LAUNCHER=$(abspath $(CCACHE)))
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 PARITY_ARGS ?=
 
 .PHONY: help venv real-model build wheel wheel-compat audit intake test sanitize demo bench bench-e2e bench-prefill docs profile parity quality serve-load census proof patch-vllm unpatch-vllm gpu-check gpu-vllm-pack gpu-vllm-check gpu-vllm-bench cuda-check clean
@@ -89,8 +90,9 @@ unpatch-vllm: $(ACTIVEKV) ## revert patches/ from the vLLM installed in .venv wi
 	if $(ACTIVEKV) patch status --patches $(PATCHES) | grep -q '^not applied:'; then echo "not applied: nothing to revert"; \
 	else $(ACTIVEKV) patch revert --patches $(PATCHES); fi
 
-test: build wheel patch-vllm real-model ## build, build and audit the wheel, patch vLLM, run the test suites
-	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
+# Two pytest-xdist workers, whole files each, in tests/conftest.py's order (files that start vLLM in process last).
+test: build wheel patch-vllm real-model ## build, build and audit the wheel, patch vLLM, run the test suites (TEST_WORKERS=2)
+	$(PY) -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 sanitize: venv ## build engine + bindings with ASan + UBSan in build/sanitize, run the unit, parity and fuzz suites under them
 	PY=$(PY) tools/sanitize.sh

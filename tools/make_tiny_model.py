@@ -9,11 +9,14 @@ heads, 2 KV heads: GQA 2, head size 32, vocab 512, 4096 positions) in float32 to
 - Deterministic: weights come from `torch.manual_seed(seed)` on CPU, so the same seed and library versions give the
   same bytes.
 - Idempotent: when the stamp matches the spec and every file still has its recorded hash, nothing is written.
+- Safe to call from several processes at once (the test workers of `make test`): a lock file beside OUTDIR serialises
+  the check and the write, so no caller copies a model another is still moving into place.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import shutil
@@ -134,14 +137,17 @@ def make_tiny_model(outdir: Path | str, seed: int = DEFAULT_SEED) -> Path:
     outdir = Path(outdir)
     if outdir.exists() and not outdir.is_dir():
         raise FileExistsError(f"{outdir} exists and is not a directory")
-    if is_current(outdir, seed):
-        return outdir
+    outdir.parent.mkdir(parents=True, exist_ok=True)
+    with (outdir.parent / f".{outdir.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_current(outdir, seed):
+            return outdir
 
-    def write(tmp: Path) -> dict[str, Any]:
-        _build(tmp, seed)
-        return {"spec": _wanted_stamp_spec(seed)}
+        def write(tmp: Path) -> dict[str, Any]:
+            _build(tmp, seed)
+            return {"spec": _wanted_stamp_spec(seed)}
 
-    return publish(outdir, STAMP, write)
+        return publish(outdir, STAMP, write)
 
 
 def main(argv: list[str] | None = None) -> int:
