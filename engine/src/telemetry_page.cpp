@@ -367,12 +367,8 @@ std::vector<PublishedTelemetry> snapshot_process_tree(bool at_exit) {
     if (page->magic.load(std::memory_order_acquire) == TelemetryPage::kMagic && page->layout == kLayout &&
         page->pid != self) {
       const int32_t len = page->json_path_len.load(std::memory_order_acquire);
-      bool ours = false, orphaned = true;
-      for (int i = 0; i < kAncestors && page->ancestors[i] > 0; ++i) {
-        ours = ours || page->ancestors[i] == self;
-        int64_t p2 = 0, s2 = 0;
-        if (page->ancestors[i] > 1 && proc_stat(page->ancestors[i], &p2, &s2)) orphaned = false;
-      }
+      bool ours = false;
+      for (int i = 0; i < kAncestors && page->ancestors[i] > 0; ++i) ours = ours || page->ancestors[i] == self;
       // The page's path only selects among the paths configured here: a path read from a file is never written to.
       const auto path = len > 0 && len < kJsonPath && ours ? configured.find(std::string(page->json_path, len))
                                                            : configured.end();
@@ -393,10 +389,17 @@ std::vector<PublishedTelemetry> snapshot_process_tree(bool at_exit) {
         // core ends with os._exit. The page holds the final values: when the engine asked for telemetry_json, this
         // process is its ancestor and this process's own configuration names the same path, write them now. A
         // segment whose ancestors are all gone is removed too.
+        const auto orphaned = [&] {  // every recorded ancestor gone
+          for (int i = 0; i < kAncestors && page->ancestors[i] > 0; ++i) {
+            int64_t p2 = 0, s2 = 0;
+            if (page->ancestors[i] > 1 && proc_stat(page->ancestors[i], &p2, &s2)) return false;
+          }
+          return true;
+        };
         if (path != configured.end()) {
           orphans[*path].push_back(read_page(*page));
           ::unlinkat(dir, name.c_str(), 0);
-        } else if (len <= 0 || orphaned) {
+        } else if (len <= 0 || orphaned()) {
           ::unlinkat(dir, name.c_str(), 0);
         }
       } else if (descends_from(page->pid, self)) {
