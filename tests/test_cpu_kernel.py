@@ -16,8 +16,8 @@ import activekv._backend as backend
 from tools.parity_cells import Cell, compressed_cells, exact_cells, host_blocks_for, run_engine
 
 # Native kernel vs ATen tile path, compared on the output tensor (in the model dtype). Both accumulate in float32;
-# they differ in summation order (vectorised dot products, per-block rescaling) and in exp (Sleef vs ATen's), a few
-# float32 ulps before the output is rounded. float32 outputs: 2e-6 covers that with margin (seen: <= 6e-7).
+# they differ in summation order (vectorised dot products, per-block rescaling) and in exp (at::vec's exp_u20, the
+# one PyTorch's CPU flash attention uses, vs ATen's exp), a few float32 ulps before the output is rounded. float32 outputs: 2e-6 covers that with margin (seen: <= 6e-7).
 # bfloat16/float16 outputs: the float32 difference can flip the final rounding, one ulp of the output dtype:
 # bf16 ulp at |x| < 4 is <= 2^-6 = 0.0156; fp16 ulp at |x| < 4 is <= 2^-9 = 0.002 (outputs here are |x| < 4).
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -208,6 +208,47 @@ def test_unwritten_slots_holding_nan_do_not_reach_the_output(kernel: str, mode: 
         torch.set_num_threads(threads)
     assert snap_zeros == snap_nans and len(zeros) == len(nans)
     assert all(torch.equal(a, b) for a, b in zip(zeros, nans))
+
+
+def _nan_step(kernel: str, tokens: int, nan_query: tuple[int, int] | None, nan_key: tuple[int, int] | None,
+              context: int = 0) -> torch.Tensor:
+    """One step of `tokens` query tokens at the end of a context of context + tokens (GQA 3, head size 64, block 16),
+    with a NaN in query (token, head) and/or key (position, KV head), in place; returns the output."""
+    h, kvh, d, bs = 9, 3, 64, 16
+    seq = context + tokens
+    nb = -(-seq // bs)
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(seq, kvh, d, generator=gen) for _ in range(2))
+    q = torch.randn(tokens, h, d, generator=gen)
+    if nan_query is not None:
+        q[nan_query[0], nan_query[1], 7] = float("nan")
+    if nan_key is not None:
+        k[nan_key[0], nan_key[1], 3] = float("nan")
+    cache = torch.zeros(nb, kvh, bs, 2 * d)
+    e = backend.Engine(1, h, kvh, d, bs, torch.float32, 0, 4, kernel=kernel, placement="in_place")
+    e.update_kv(0, k, v, cache, torch.arange(seq))
+    plan = e.build(torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
+                   torch.arange(nb, dtype=torch.int32).view(1, nb), 1, tokens)
+    out = torch.empty(tokens, h, d)
+    e.forward(0, plan, q, cache, out, d ** -0.5)
+    return out
+
+
+@pytest.mark.parametrize("tokens,context", [(40, 0), (1, 300)], ids=["prefill", "decode"])
+@pytest.mark.parametrize("where", ["query", "key"])
+def test_a_nan_in_the_query_or_a_visible_key_gives_nan_where_the_aten_path_does(tokens: int, context: int,
+                                                                                 where: str) -> None:
+    """A NaN in a query row or in a key a row sees makes exactly the outputs NaN that it makes on the ATen path (the
+    fast exp clamps its argument, so the kernel's online softmax carries the NaN itself); every other output stays
+    within the tolerance. Prefill: 40 query tokens (the packed path), decode: one token over 300 (segments)."""
+    nan_query = (tokens - 1, 4) if where == "query" else None
+    nan_key = (context + tokens // 2, 1) if where == "key" else None
+    native = _nan_step("native", tokens, nan_query, nan_key, context)
+    aten = _nan_step("aten", tokens, nan_query, nan_key, context)
+    assert aten.isnan().any(), "the case must put a NaN into the output"
+    assert torch.equal(native.isnan(), aten.isnan())
+    keep = ~aten.isnan()
+    torch.testing.assert_close(native[keep], aten[keep], atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
 
 
 AMX_SCRIPT = """

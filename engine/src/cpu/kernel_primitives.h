@@ -292,7 +292,17 @@ void merge_rows(const AttendArgs& a, int64_t r0, float* s, int64_t nk, float* al
     Vec vmx(kNegInf);
     for (int64_t t = 0; t < nkv; t += kW) vmx = at::vec::maximum(vmx, Vec::loadu(si + t));
     float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
-    for (int64_t t = nkv; t < ne; ++t) mx = std::max(mx, si[t]);
+    for (int64_t t = nkv; t < ne; ++t) mx = std::isnan(si[t]) ? si[t] : std::max(mx, si[t]);
+    if (std::isnan(mx) || std::isnan(a.m[r])) {
+      // A NaN score (a NaN in the query or a visible key), now or in an earlier chunk: the row's state and so its
+      // output become NaN, as with the ATen path (exp_u20 below clamps its argument and would hide a NaN).
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      alpha[i] = nan;
+      std::fill(si, si + ne, nan);
+      if (pb != nullptr) std::fill(pb + i * ldp, pb + (i + 1) * ldp, at::BFloat16(nan));
+      a.l[r] = a.m[r] = nan;
+      continue;
+    }
     if (mx == kNegInf) {  // no key of the chunk is visible to this row
       alpha[i] = 1.f;
       if (pb != nullptr) std::fill(pb + i * ldp, pb + (i + 1) * ldp, at::BFloat16(0.f));
@@ -305,7 +315,7 @@ void merge_rows(const AttendArgs& a, int64_t r0, float* s, int64_t nk, float* al
     float l = 0.f;
     if (pb == nullptr) {
       for (int64_t t = 0; t < nkv; t += kW) {
-        const Vec p = (Vec::loadu(si + t) - vm).exp();  // exp(-inf) = 0 for the keys past the limit
+        const Vec p = (Vec::loadu(si + t) - vm).exp_u20();  // exp(-inf) = 0 for the keys past the limit
         p.store(si + t);
         sum = sum + p;
       }
@@ -314,8 +324,8 @@ void merge_rows(const AttendArgs& a, int64_t r0, float* s, int64_t nk, float* al
     } else {
       at::BFloat16* pi = pb + i * ldp;
       for (int64_t t = 0; t < ldp; t += 2 * kW) {  // 32 probabilities per conversion; past nk, zeros
-        const Vec lo = t < nk ? (Vec::loadu(si + t) - vm).exp() : Vec(0.f);
-        const Vec hi = t + kW < nk ? (Vec::loadu(si + t + kW) - vm).exp() : Vec(0.f);
+        const Vec lo = t < nk ? (Vec::loadu(si + t) - vm).exp_u20() : Vec(0.f);
+        const Vec hi = t + kW < nk ? (Vec::loadu(si + t + kW) - vm).exp_u20() : Vec(0.f);
         const auto rounded = at::vec::convert_from_float<at::BFloat16>(lo, hi);
         rounded.store(pi + t);
         auto [rlo, rhi] = at::vec::convert_to_float<at::BFloat16>(rounded);
