@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -37,38 +38,56 @@ constexpr int64_t kDecodeSegments = 8;
 
 // Query rows of the CPU kernel, grouped per KV head as group_query lays them out: of a request row whose grouped rows
 // start at q, KV head hh, group member gi and token t is row hh * G * lq + gi * lq + t of q [rows, D] float32 (and of
-// q_bf16, the bfloat16 query as given, where non-null). Plain loops over the query's strides: no ATen op per row.
+// q_bf16, the bfloat16 query as given, where non-null). Rows [r0, r1) of the request row (its first query token q0):
+// plain loops over the query's strides, no ATen op per row.
 template <typename T>
-void group_rows(const at::Tensor& query, int64_t q0, int64_t lq, int64_t kvh, int64_t group, int64_t d, float* q,
+void group_rows(const at::Tensor& query, int64_t q0, int64_t lq, int64_t d, int64_t r0, int64_t r1, float* q,
                 at::BFloat16* q_bf16) {
   const T* src = query.data_ptr<T>();
   const int64_t s0 = query.stride(0), s1 = query.stride(1), s2 = query.stride(2);
-  for (int64_t hh = 0; hh < kvh; ++hh)
-    for (int64_t gi = 0; gi < group; ++gi)
-      for (int64_t t = 0; t < lq; ++t) {
-        const T* x = src + (q0 + t) * s0 + (hh * group + gi) * s1;
-        const int64_t row = (hh * group + gi) * lq + t;
-        for (int64_t j = 0; j < d; ++j) q[row * d + j] = static_cast<float>(x[j * s2]);
-        if constexpr (std::is_same_v<T, at::BFloat16>)
-          if (q_bf16 != nullptr)
-            for (int64_t j = 0; j < d; ++j) q_bf16[row * d + j] = x[j * s2];
-      }
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t head = row / lq, t = row % lq;  // head = hh * G + gi
+    const T* x = src + (q0 + t) * s0 + head * s1;
+    if (s2 == 1) {
+      for (int64_t j = 0; j < d; ++j) q[row * d + j] = static_cast<float>(x[j]);
+    } else {
+      for (int64_t j = 0; j < d; ++j) q[row * d + j] = static_cast<float>(x[j * s2]);
+    }
+    if constexpr (std::is_same_v<T, at::BFloat16>)
+      if (q_bf16 != nullptr)
+        for (int64_t j = 0; j < d; ++j) q_bf16[row * d + j] = x[j * s2];
+  }
 }
 
 // out[q0 + t, hh * G + gi, :] = acc / l of that grouped row (online_softmax_finish and ungroup_output of the ATen
-// path: one float32 division per element, then the output dtype's rounding). out: [tokens, heads, D] contiguous.
+// path: one float32 division per element, then the output dtype's rounding), for the request row's grouped rows
+// [r0, r1). out: [tokens, heads, D] contiguous.
 template <typename T>
-void finish_rows(const float* acc, const float* l, int64_t q0, int64_t lq, int64_t kvh, int64_t group, int64_t d,
-                 const at::Tensor& out) {
+void finish_rows(const float* acc, const float* l, int64_t q0, int64_t lq, int64_t heads, int64_t d, int64_t r0,
+                 int64_t r1, const at::Tensor& out) {
   T* dst = out.data_ptr<T>();
-  const int64_t heads = kvh * group;
-  for (int64_t hh = 0; hh < kvh; ++hh)
-    for (int64_t gi = 0; gi < group; ++gi)
-      for (int64_t t = 0; t < lq; ++t) {
-        const int64_t row = (hh * group + gi) * lq + t;
-        T* o = dst + ((q0 + t) * heads + hh * group + gi) * d;
-        for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[row * d + j] / l[row]);
-      }
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t head = row / lq, t = row % lq;
+    T* o = dst + ((q0 + t) * heads + head) * d;
+    for (int64_t j = 0; j < d; ++j) o[j] = static_cast<T>(acc[row * d + j] / l[row]);
+  }
+}
+
+// Grouped rows of all request rows at once, [0, first.back()), split over the threads in ranges of at least
+// kRowsPerThread rows (a decode step's few rows stay on the calling thread); fn(i, r0, r1) for request row i's rows
+// [r0, r1) (numbered within the request row) of each range. Each row is written by one call: the result does not
+// depend on the split.
+constexpr int64_t kRowsPerThread = 256;
+template <typename Fn>
+void for_grouped_rows(const std::vector<int64_t>& first, const Fn& fn) {
+  at::parallel_for(0, first.back(), kRowsPerThread, [&](int64_t begin, int64_t end) {
+    auto i = static_cast<size_t>(std::upper_bound(first.begin(), first.end(), begin) - first.begin()) - 1;
+    for (int64_t r = begin; r < end; ++i) {
+      const int64_t stop = std::min(end, first[i + 1]);
+      if (stop > r) fn(i, r - first[i], stop - first[i]);
+      r = std::max(r, stop);
+    }
+  });
 }
 
 class CpuPath : public ForwardPath {
@@ -85,10 +104,13 @@ class CpuPath : public ForwardPath {
     first_.assign(rows.size() + 1, 0);
     for (size_t i = 0; i < rows.size(); ++i) first_[i + 1] = first_[i] + kvh * group * rows[i].lq;
     const int64_t total = first_.back();
+    AKV_CHECK_TYPE(g_.dtype == at::kFloat || g_.dtype == at::kBFloat16 || g_.dtype == at::kHalf,
+                   "the CPU kernel supports float32, bfloat16 and float16, got ", g_.dtype);
+    // Sized here, filled below by the threads (each grouped row's query and initial state where it is written).
     qbuf_.resize(total * d);
-    mbuf_.assign(total, -std::numeric_limits<float>::infinity());
-    lbuf_.assign(total, 0.f);
-    accbuf_.assign(total * d, 0.f);
+    mbuf_.resize(total);
+    lbuf_.resize(total);
+    accbuf_.resize(total * d);
     // Decode segments (kDecodeSegments): segment 0 uses the row's state above; segments 1.. their own, row i's from
     // part_first_[i] (segment s, KV head hh: part_first_[i] + ((s - 1) * kvh + hh) * G).
     segments_.assign(rows.size(), 1);
@@ -103,17 +125,20 @@ class CpuPath : public ForwardPath {
     paccbuf_.assign(part_first_.back() * d, 0.f);
     // The query rounded to bfloat16 (exactly the model's bfloat16 query) where the kernel reads it.
     qb16_.resize(g_.dtype == at::kBFloat16 && cpu_kernel_uses_bf16_query(d) ? total * d : 0);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      float* q = qbuf_.data() + first_[i] * d;
-      at::BFloat16* qb = qb16_.empty() ? nullptr : qb16_.data() + first_[i] * d;
+    for_grouped_rows(first_, [&](size_t i, int64_t r0, int64_t r1) {
+      const int64_t f = first_[i];
+      std::fill(mbuf_.begin() + f + r0, mbuf_.begin() + f + r1, -std::numeric_limits<float>::infinity());
+      std::fill(lbuf_.begin() + f + r0, lbuf_.begin() + f + r1, 0.f);
+      std::fill(accbuf_.begin() + (f + r0) * d, accbuf_.begin() + (f + r1) * d, 0.f);
+      float* q = qbuf_.data() + f * d;
+      at::BFloat16* qb = qb16_.empty() ? nullptr : qb16_.data() + f * d;
       const int64_t q0 = rows[i].q0, lq = rows[i].lq;
       switch (g_.dtype) {
-        case at::kFloat: group_rows<float>(s.query, q0, lq, kvh, group, d, q, qb); break;
-        case at::kBFloat16: group_rows<at::BFloat16>(s.query, q0, lq, kvh, group, d, q, qb); break;
-        case at::kHalf: group_rows<at::Half>(s.query, q0, lq, kvh, group, d, q, qb); break;
-        default: AKV_CHECK_TYPE(false, "the CPU kernel supports float32, bfloat16 and float16, got ", g_.dtype);
+        case at::kFloat: group_rows<float>(s.query, q0, lq, d, r0, r1, q, qb); break;
+        case at::kBFloat16: group_rows<at::BFloat16>(s.query, q0, lq, d, r0, r1, q, qb); break;
+        default: group_rows<at::Half>(s.query, q0, lq, d, r0, r1, q, qb); break;
       }
-    }
+    });
     round_.assign(rows.size(), {});
   }
 
@@ -147,20 +172,18 @@ class CpuPath : public ForwardPath {
     // address order. A row of more than kRunTokens query tokens (a prefill chunk) is split further, per KV head, GQA
     // group member and run of kRunTokens tokens, so that a long prefill of few KV heads keeps every thread busy. A
     // row's arithmetic does not depend on how its query rows are grouped (cpu_kernel.h), and the runs are fixed by
-    // the row alone, so the output is the same however many threads take the tasks. A run's cost grows with its
-    // place in the chunk (causal: its tokens see more keys), so each (KV head, member)'s runs are listed from both
-    // ends inwards (first, last, second, ...): the threads' contiguous ranges of tasks then hold similar work.
+    // the row alone, so the output is the same however many threads take the tasks. The threads claim tasks one at a
+    // time in list order; a run's cost grows with its place in the chunk (causal: its tokens see more keys), so the
+    // runs are listed last run first: the costliest are claimed first and the cheap ones fill in at the end.
     tasks_.clear();
     for (size_t i = 0; i < round_.size(); ++i) {
       if (round_[i].slots.empty()) continue;
       const int64_t lq = s.plan.rows[i].lq;
       if (lq > kRunTokens) {
-        for (int64_t hh = 0; hh < kvh; ++hh)
-          for (int64_t gi = 0; gi < group; ++gi)
-            for (int64_t x = 0, runs = (lq + kRunTokens - 1) / kRunTokens; x < runs; ++x) {
-              const int64_t t0 = (x % 2 == 0 ? x / 2 : runs - 1 - x / 2) * kRunTokens;
-              tasks_.push_back({i, hh, 1, gi * lq + t0, std::min(kRunTokens, lq - t0)});
-            }
+        for (int64_t x = (lq + kRunTokens - 1) / kRunTokens - 1; x >= 0; --x)
+          for (int64_t hh = 0; hh < kvh; ++hh)
+            for (int64_t gi = 0; gi < group; ++gi)
+              tasks_.push_back({i, hh, 1, gi * lq + x * kRunTokens, std::min(kRunTokens, lq - x * kRunTokens)});
       } else if (segments_[i] > 1) {
         // The round's tiles of the row (contiguous, tb slots each but the row's last), grouped by segment.
         const RowRound& rr = round_[i];
@@ -183,7 +206,11 @@ class CpuPath : public ForwardPath {
     const auto* pool_bytes = static_cast<const char*>(s.kv.data_ptr());  // the pool, or in place the host tier
     const int64_t run_bytes = 2 * bs * d * static_cast<int64_t>(s.kv.element_size());  // K and V of (block, head)
     const auto& rows = s.plan.rows;
-    at::parallel_for(0, static_cast<int64_t>(tasks_.size()), 1, [&](int64_t begin, int64_t end) {
+    // Each thread claims the next task until none is left: tasks differ in cost (causal runs, rows of different
+    // lengths), and a fixed split of the list would leave a thread waiting on the other's last tasks.
+    const int64_t ntasks = static_cast<int64_t>(tasks_.size());
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(ntasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
       std::vector<const void*> ptrs;
       AttendArgs a;
       a.dtype = g_.dtype;
@@ -191,7 +218,8 @@ class CpuPath : public ForwardPath {
       a.head_size = d;
       a.scale = s.scale;
       a.chunk_blocks = tb;
-      for (int64_t t = begin; t < end; ++t) {
+      for (int64_t t = next.fetch_add(1, std::memory_order_relaxed); t < ntasks;
+           t = next.fetch_add(1, std::memory_order_relaxed)) {
         const Task& task = tasks_[t];
         const size_t i = task.row;
         const RowRound& rr = round_[i];
@@ -244,16 +272,16 @@ class CpuPath : public ForwardPath {
     const int64_t kvh = g_.num_kv_heads, d = g_.head_size, group = g_.num_heads / kvh;
     const auto& rows = s.plan.rows;
     merge_segments(kvh * group, d);
-    for (size_t i = 0; i < rows.size(); ++i) {
+    for_grouped_rows(first_, [&](size_t i, int64_t r0, int64_t r1) {
       const float* acc = accbuf_.data() + first_[i] * d;
       const float* l = lbuf_.data() + first_[i];
-      const int64_t q0 = rows[i].q0, lq = rows[i].lq;
+      const int64_t q0 = rows[i].q0, lq = rows[i].lq, heads = kvh * group;
       switch (g_.dtype) {
-        case at::kFloat: finish_rows<float>(acc, l, q0, lq, kvh, group, d, s.out); break;
-        case at::kBFloat16: finish_rows<at::BFloat16>(acc, l, q0, lq, kvh, group, d, s.out); break;
-        default: finish_rows<at::Half>(acc, l, q0, lq, kvh, group, d, s.out); break;
+        case at::kFloat: finish_rows<float>(acc, l, q0, lq, heads, d, r0, r1, s.out); break;
+        case at::kBFloat16: finish_rows<at::BFloat16>(acc, l, q0, lq, heads, d, r0, r1, s.out); break;
+        default: finish_rows<at::Half>(acc, l, q0, lq, heads, d, r0, r1, s.out); break;
       }
-    }
+    });
   }
 
  private:
