@@ -7,10 +7,11 @@
 /// Per chunk and query row: the scores of all the chunk's keys (16 keys at a time in 16 registers, summed by one
 /// butterfly of vector additions with AVX-512, no horizontal reduction per key), one online-softmax merge (Milakov &
 /// Gimelshein 2018; as in FlashAttention, Dao et al. 2022: running max and sum, the accumulator rescaled once per
-/// chunk), then the probabilities times V. 16 query rows or more (a prefill chunk's): chunks of <= 256 keys, K and V
-/// packed once per chunk in float32 panels, scores and P x V as small matrix products (6 rows x 2 x kW per pass, each
-/// value one fused multiply-add chain in one lane, keys in order), no lane reductions; no result depends on its pass.
-/// The arithmetic order is fixed per (row, KV head) by the chunking (chunk_blocks, or 256 keys from 16 rows on).
+/// chunk), then the probabilities times V. 16 query rows or more (a prefill chunk's): chunks of <= 128 KiB of float32
+/// K (512 keys at head size 64, at least 256), K and V packed once per chunk in float32 panels, scores and P x V as
+/// small matrix products (6 rows x 2 x kW per pass, each value one fused multiply-add chain in one lane, keys in
+/// order), no lane reductions; no result depends on its pass.
+/// The arithmetic order is fixed per (row, KV head) by the chunking (chunk_blocks, or those chunks from 16 rows on).
 ///
 /// Built once per CPU capability (DEFAULT, AVX2, AVX512) with ATen's `at::vec::Vectorized` and chosen at run time
 /// (`ATEN_CPU_CAPABILITY=default|avx2|avx512` caps the choice, as it does for ATen). Float32 accumulation whatever the
