@@ -5,6 +5,7 @@
 #include <activekv/kv_state.h>
 #include <activekv/transfer.h>
 
+#include <ATen/Parallel.h>
 #include <c10/util/StringUtil.h>
 
 #include <algorithm>
@@ -17,6 +18,8 @@ namespace activekv {
 
 namespace {
 constexpr float kInf = std::numeric_limits<float>::infinity();
+// Tokens per thread of the CPU write at least (a prefill chunk's tokens split over the threads, a decode step's not).
+constexpr int64_t kWriteTokensPerThread = 256;
 
 // The CPU write of KVState::write as plain loops (no ATen op per call): for each token i, K and V of every KV head to
 // the host tier at (blk[i], off[i]) and, where the block is resident (slot[i] >= 0), to its pool copy; then the key
@@ -45,30 +48,46 @@ void write_cpu(const at::Tensor& host, at::Tensor& pool, at::Tensor& key_min, at
       std::fill(mx + b * kvh * d, mx + (b + 1) * kvh * d, static_cast<T>(-kInf));
     }
   }
-  for (size_t i = 0; i < tok.size(); ++i) {
-    for (int64_t hh = 0; hh < kvh; ++hh) {
-      for (int kv = 0; kv < 2; ++kv) {
-        const T* src = src_base[kv] + tok[i] * (kv == 0 ? ks0 : vs0) + hh * (kv == 0 ? ks1 : vs1);
-        const int64_t ss = kv == 0 ? ks2 : vs2;
-        T* dst = h + blk[i] * hs[0] + hh * hs[1] + kv * hs[2] + off[i] * hs[3];
-        for (int64_t j = 0; j < d; ++j) dst[j * hs[4]] = src[j * ss];
-        if (slot[i] >= 0) {
-          T* pd = p + (((slot[i] * kvh + hh) * 2 + kv) * bs + off[i]) * d;
-          for (int64_t j = 0; j < d; ++j) pd[j] = src[j * ss];
+  // Copies: every token to its own slots, so the tokens split over the threads (a decode step's few stay inline).
+  const int64_t nt = static_cast<int64_t>(tok.size());
+  at::parallel_for(0, nt, kWriteTokensPerThread, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t hh = 0; hh < kvh; ++hh) {
+        for (int kv = 0; kv < 2; ++kv) {
+          const T* src = src_base[kv] + tok[i] * (kv == 0 ? ks0 : vs0) + hh * (kv == 0 ? ks1 : vs1);
+          const int64_t ss = kv == 0 ? ks2 : vs2;
+          T* dst = h + blk[i] * hs[0] + hh * hs[1] + kv * hs[2] + off[i] * hs[3];
+          T* pd = slot[i] >= 0 ? p + (((slot[i] * kvh + hh) * 2 + kv) * bs + off[i]) * d : nullptr;
+          if (ss == 1 && hs[4] == 1) {
+            std::copy(src, src + d, dst);
+            if (pd != nullptr) std::copy(src, src + d, pd);
+          } else {
+            for (int64_t j = 0; j < d; ++j) dst[j * hs[4]] = src[j * ss];
+            if (pd != nullptr)
+              for (int64_t j = 0; j < d; ++j) pd[j] = src[j * ss];
+          }
         }
       }
-      if (mn == nullptr) continue;
-      const T* k = src_base[0] + tok[i] * ks0 + hh * ks1;
-      T* bmn = mn + (blk[i] * kvh + hh) * d;
-      T* bmx = mx + (blk[i] * kvh + hh) * d;
-      for (int64_t j = 0; j < d; ++j) {
-        const T kj = k[j * ks2];
-        const float x = static_cast<float>(kj), lo = static_cast<float>(bmn[j]), hi = static_cast<float>(bmx[j]);
-        if ((std::isnan(x) || x < lo) && !std::isnan(lo)) bmn[j] = kj;
-        if ((std::isnan(x) || x > hi) && !std::isnan(hi)) bmx[j] = kj;
+    }
+  });
+  if (mn == nullptr) return;
+  // Key min/max: tokens of one block update the same values, so the KV heads split over the threads and each head's
+  // tokens go in order.
+  at::parallel_for(0, kvh, nt >= kWriteTokensPerThread ? 1 : kvh, [&](int64_t h0, int64_t h1) {
+    for (int64_t hh = h0; hh < h1; ++hh) {
+      for (int64_t i = 0; i < nt; ++i) {
+        const T* k = src_base[0] + tok[i] * ks0 + hh * ks1;
+        T* bmn = mn + (blk[i] * kvh + hh) * d;
+        T* bmx = mx + (blk[i] * kvh + hh) * d;
+        for (int64_t j = 0; j < d; ++j) {
+          const T kj = k[j * ks2];
+          const float x = static_cast<float>(kj), lo = static_cast<float>(bmn[j]), hi = static_cast<float>(bmx[j]);
+          if ((std::isnan(x) || x < lo) && !std::isnan(lo)) bmn[j] = kj;
+          if ((std::isnan(x) || x > hi) && !std::isnan(hi)) bmx[j] = kj;
+        }
       }
     }
-  }
+  });
 }
 }  // namespace
 
