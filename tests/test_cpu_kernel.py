@@ -374,12 +374,13 @@ def test_engine_parallel_for_uses_the_intra_op_threads() -> None:
         backend.parallel_for_threads(0)
 
 
-def _long_prefill(dtype: torch.dtype, kernel: str, threads: int) -> list[torch.Tensor]:
-    """Two prefill chunks of one request on an in-place engine (9 query heads, GQA 3, head size 64, block 16): 1100
-    tokens, then 300 more after them. The CPU path splits the first chunk's rows into tasks per KV head, GQA group
-    member and run of 512 tokens (two runs and a short one), the second (at most 512 tokens) by KV heads only; the
-    kernel scores both with its matrix-product scorer (16 query rows or more per call)."""
-    h, kvh, d, bs, first, second = 9, 3, 64, 16, 1100, 300
+def _long_prefill(dtype: torch.dtype, kernel: str, threads: int, first: int = 1100) -> list[torch.Tensor]:
+    """Two prefill chunks of one request on an in-place engine (9 query heads, GQA 3, head size 64, block 16): `first`
+    tokens, then 300 more after them. The CPU path splits the first chunk's rows into tasks per KV head and run of 512
+    tokens (two runs and a short one: 76 tokens, or 6 at first = 1030), each task the run's rows of the 3 GQA group
+    members in one call; the second (at most 512 tokens) by KV heads only. The kernel scores them with its
+    matrix-product scorer (16 query rows or more per call: a run of 6 takes the row-by-row path, member by member)."""
+    h, kvh, d, bs, second = 9, 3, 64, 16, 300
     seq = first + second
     nb = -(-seq // bs)
     gen = torch.Generator().manual_seed(7)
@@ -403,14 +404,16 @@ def _long_prefill(dtype: torch.dtype, kernel: str, threads: int) -> list[torch.T
     return outs
 
 
+@pytest.mark.parametrize("first", [1100, 1030])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_long_prefill_chunks_within_tolerance_and_bit_identical_across_threads(dtype: torch.dtype) -> None:
+def test_long_prefill_chunks_within_tolerance_and_bit_identical_across_threads(dtype: torch.dtype,
+                                                                               first: int) -> None:
     """Prefill chunks of hundreds of tokens (the rows split over tasks, the kernel's matrix-product scorer): within
     the kernel's tolerance of the ATen path (one thread), bit-identical run to run and for 1 and 2 threads."""
-    one = _long_prefill(dtype, "native", 1)
-    two = _long_prefill(dtype, "native", 2)
-    again = _long_prefill(dtype, "native", 2)
-    aten = _long_prefill(dtype, "aten", 1)
+    one = _long_prefill(dtype, "native", 1, first)
+    two = _long_prefill(dtype, "native", 2, first)
+    again = _long_prefill(dtype, "native", 2, first)
+    aten = _long_prefill(dtype, "aten", 1, first)
     assert all(torch.equal(a, b) for a, b in zip(one, two)) and all(torch.equal(a, b) for a, b in zip(two, again))
     tol = TOLERANCE[dtype]
     for i, (a, b) in enumerate(zip(two, aten)):

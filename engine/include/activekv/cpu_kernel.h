@@ -51,6 +51,11 @@ struct AttendArgs {
   float* m = nullptr;    ///< [rows] running max (in/out)
   float* l = nullptr;    ///< [rows] running sum (in/out)
   float* acc = nullptr;  ///< [rows, head_size] rescaled accumulator (in/out)
+  /// Groups of `rows` query rows the call attends to the same blocks (a prefill run's GQA group members): group g's
+  /// rows start member_stride rows after group g - 1's in q, q_bf16, m, l and acc, and sit at the same positions. A
+  /// prefill chunk packs each chunk of K and V once for every group; the results are those of one call per group.
+  int64_t members = 1;
+  int64_t member_stride = 0;
 };
 
 /// Run the kernel of the best available capability (any block_size and head_size; vectorised for multiples of the

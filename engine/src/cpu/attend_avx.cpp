@@ -341,10 +341,32 @@ constexpr int kRowBlock = 4;  // query rows sharing each pass over V (a GQA grou
 // same with AVX-512, measured on a processor of one 512-bit load per cycle: its loop waits on the multiply-adds).
 constexpr int kPackRowBlock = 6;
 
+// Group g of a call's members (AttendArgs::members) as a call of its own.
+AttendArgs member_args(const AttendArgs& a, int64_t g) {
+  AttendArgs m = a;
+  const int64_t off = g * a.member_stride, d = a.head_size;
+  m.q = a.q + off * d;
+  if (a.q_bf16 != nullptr) m.q_bf16 = a.q_bf16 + off * d;
+  m.m = a.m + off;
+  m.l = a.l + off;
+  m.acc = a.acc + off * d;
+  m.members = 1;
+  m.member_stride = 0;
+  return m;
+}
+
 template <typename T>
 void attend(const AttendArgs& a) {
+  bool amx = false;
 #if defined(CPU_CAPABILITY_AVX512)
-  if (std::is_same_v<T, at::BFloat16> && use_amx(a)) return attend_amx(a);
+  amx = std::is_same_v<T, at::BFloat16> && use_amx(a);
+#endif
+  if (a.members > 1 && (amx || a.rows < kPackRows)) {  // only the packed path shares anything between the groups
+    for (int64_t g = 0; g < a.members; ++g) attend<T>(member_args(a, g));
+    return;
+  }
+#if defined(CPU_CAPABILITY_AVX512)
+  if (amx) return attend_amx(a);
 #endif
   const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
   thread_local std::vector<float> s;
@@ -369,16 +391,19 @@ void attend(const AttendArgs& a) {
       pack_keys<T>(a, c0, cb, kt.data(), (cb * bs + kPackKeys - 1) / kPackKeys * kPackKeys);
       pack_values<T>(a, c0, cb, vt.data());
       const float *k = kt.data(), *v = vt.data();
-      int64_t r0 = 0;
-      for (; r0 + kPackRowBlock <= a.rows; r0 += kPackRowBlock)
-        chunk_packed<kPackRowBlock>(a, r0, c0, cb, s.data(), valid.data(), k, v);
-      switch (a.rows - r0) {
-        case 5: chunk_packed<5>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
-        case 4: chunk_packed<4>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
-        case 3: chunk_packed<3>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
-        case 2: chunk_packed<2>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
-        case 1: chunk_packed<1>(a, r0, c0, cb, s.data(), valid.data(), k, v); break;
-        default: break;
+      for (int64_t g = 0; g < a.members; ++g) {  // every group of rows against the chunk packed once
+        const AttendArgs ag = a.members > 1 ? member_args(a, g) : a;
+        int64_t r0 = 0;
+        for (; r0 + kPackRowBlock <= ag.rows; r0 += kPackRowBlock)
+          chunk_packed<kPackRowBlock>(ag, r0, c0, cb, s.data(), valid.data(), k, v);
+        switch (ag.rows - r0) {
+          case 5: chunk_packed<5>(ag, r0, c0, cb, s.data(), valid.data(), k, v); break;
+          case 4: chunk_packed<4>(ag, r0, c0, cb, s.data(), valid.data(), k, v); break;
+          case 3: chunk_packed<3>(ag, r0, c0, cb, s.data(), valid.data(), k, v); break;
+          case 2: chunk_packed<2>(ag, r0, c0, cb, s.data(), valid.data(), k, v); break;
+          case 1: chunk_packed<1>(ag, r0, c0, cb, s.data(), valid.data(), k, v); break;
+          default: break;
+        }
       }
     }
     return;

@@ -169,8 +169,9 @@ class CpuPath : public ForwardPath {
     }
     // Tasks: (row, first KV head), per_task heads each. A task walks its heads tile by tile (a tile's slots hold every
     // head's K and V side by side: [P, KVH, 2, bs, D]), so the more heads per task, the closer the pool is read to its
-    // address order. A row of more than kRunTokens query tokens (a prefill chunk) is split further, per KV head, GQA
-    // group member and run of kRunTokens tokens, so that a long prefill of few KV heads keeps every thread busy. A
+    // address order. A row of more than kRunTokens query tokens (a prefill chunk) is split further, per KV head and
+    // run of kRunTokens tokens (the run's tokens of every GQA group member in one call, which packs each chunk of K
+    // and V once for them), so that a long prefill of few KV heads keeps every thread busy. A
     // row's arithmetic does not depend on how its query rows are grouped (cpu_kernel.h), and the runs are fixed by
     // the row alone, so the output is the same however many threads take the tasks. The threads claim tasks one at a
     // time in list order; a run's cost grows with its place in the chunk (causal: its tokens see more keys), so the
@@ -182,8 +183,7 @@ class CpuPath : public ForwardPath {
       if (lq > kRunTokens) {
         for (int64_t x = (lq + kRunTokens - 1) / kRunTokens - 1; x >= 0; --x)
           for (int64_t hh = 0; hh < kvh; ++hh)
-            for (int64_t gi = 0; gi < group; ++gi)
-              tasks_.push_back({i, hh, 1, gi * lq + x * kRunTokens, std::min(kRunTokens, lq - x * kRunTokens)});
+            tasks_.push_back({i, hh, 1, x * kRunTokens, std::min(kRunTokens, lq - x * kRunTokens), 0, -1, 0, group});
       } else if (segments_[i] > 1) {
         // The round's tiles of the row (contiguous, tb slots each but the row's last), grouped by segment.
         const RowRound& rr = round_[i];
@@ -225,8 +225,10 @@ class CpuPath : public ForwardPath {
         const RowRound& rr = round_[i];
         const int64_t h0 = task.h0, nrows = group * rows[i].lq, base = first_[i] + task.r0;
         const int64_t count = rr.head_stride > 0 ? rr.head_stride : static_cast<int64_t>(rr.slots.size());
-        const bool run = task.rows < nrows;  // a run of one group member's tokens, r0 = gi * lq + t0
+        const bool run = task.rows < nrows;  // a run of tokens t0 .. of each group member, r0 = t0
         a.rows = task.rows;
+        a.members = task.members;
+        a.member_stride = rows[i].lq;
         a.num_q = run ? task.rows : rows[i].lq;
         a.first_query_pos = rows[i].seq - rows[i].lq + (run ? task.r0 % rows[i].lq : 0);
         // Exact rows: tile after tile, head after head (every head reads the same slots, whose K and V of all heads
@@ -322,11 +324,12 @@ class CpuPath : public ForwardPath {
   std::vector<at::BFloat16> qb16_;
   std::vector<RowRound> round_;
   // A task: KV heads [h0, h0 + heads) of a request row, its grouped query rows [r0, r0 + rows) of each head (row
-  // gi * lq + t of a head: group member gi, token t); a decode segment's task the round's slots [j0, j1) of the row,
-  // into segment seg's state (j1 = -1: every slot of the round, into the row's state).
+  // gi * lq + t of a head: group member gi, token t), and with members > 1 the same rows of the next members too
+  // (rows r0 + g * lq ..: a prefill run); a decode segment's task the round's slots [j0, j1) of the row, into segment
+  // seg's state (j1 = -1: every slot of the round, into the row's state).
   struct Task {
     size_t row;
-    int64_t h0, heads, r0, rows, j0 = 0, j1 = -1, seg = 0;
+    int64_t h0, heads, r0, rows, j0 = 0, j1 = -1, seg = 0, members = 1;
   };
   std::vector<Task> tasks_;
 };
