@@ -70,6 +70,8 @@ NOT_KEPT = (
     "change everywhere (transfers, ATen path, CUDA kernel, reference); not made.",
     "CPU kernel, prefill: packed chunks of 64 or 128 keys instead of 256 at head size 64: 9% and 9% slower; 1024 keys "
     "the same as 512.",
+    "CPU kernel, decode: while a block's K is scored, its V into L2 and the K two blocks on into L1, for steps whose "
+    "KV outgrows the last-level cache (batch 8, 8k, block 16 and 128, tiny and real geometry): no gain in an A/B.",
 )
 
 
