@@ -289,8 +289,18 @@ void merge_rows(const AttendArgs& a, int64_t r0, float* s, int64_t nk, float* al
     float* si = s + i * nk;
     const int64_t ne = end != nullptr ? end[i] : nk;
     const int64_t nkv = std::min(ne, nk - nk % kW);
-    Vec vmx(kNegInf);
-    for (int64_t t = 0; t < nkv; t += kW) vmx = at::vec::maximum(vmx, Vec::loadu(si + t));
+    // Four running maxima, so that the loads do not wait on one chain of maximum operations (the max is exact in
+    // any order).
+    Vec vmx(kNegInf), vm1(kNegInf), vm2(kNegInf), vm3(kNegInf);
+    int64_t t4 = 0;
+    for (; t4 + 4 * kW <= nkv; t4 += 4 * kW) {
+      vmx = at::vec::maximum(vmx, Vec::loadu(si + t4));
+      vm1 = at::vec::maximum(vm1, Vec::loadu(si + t4 + kW));
+      vm2 = at::vec::maximum(vm2, Vec::loadu(si + t4 + 2 * kW));
+      vm3 = at::vec::maximum(vm3, Vec::loadu(si + t4 + 3 * kW));
+    }
+    for (; t4 < nkv; t4 += kW) vmx = at::vec::maximum(vmx, Vec::loadu(si + t4));
+    vmx = at::vec::maximum(at::vec::maximum(vmx, vm1), at::vec::maximum(vm2, vm3));
     float mx = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmx);
     for (int64_t t = nkv; t < ne; ++t) mx = std::isnan(si[t]) ? si[t] : std::max(mx, si[t]);
     if (std::isnan(mx) || std::isnan(a.m[r])) {
