@@ -25,8 +25,8 @@ namespace activekv {
 
 namespace {
 
-// Query tokens of a prefill row per task (and per GQA group member and KV head): a 2k-token chunk of a model of 3 KV
-// heads makes 3 x group x 4 tasks instead of 3.
+// Query tokens of a prefill row per task (of every GQA group member, per KV head): a 2k-token chunk of a model of 3 KV
+// heads makes 3 x 4 tasks instead of 3.
 constexpr int64_t kRunTokens = 512;
 
 // Segments of an exact decode row (one query token, two tiles or more): min(tiles, kDecodeSegments) runs of whole
@@ -169,13 +169,13 @@ class CpuPath : public ForwardPath {
     }
     // Tasks: (row, first KV head), per_task heads each. A task walks its heads tile by tile (a tile's slots hold every
     // head's K and V side by side: [P, KVH, 2, bs, D]), so the more heads per task, the closer the pool is read to its
-    // address order. A row of more than kRunTokens query tokens (a prefill chunk) is split further, per KV head and
-    // run of kRunTokens tokens (the run's tokens of every GQA group member in one call, which packs each chunk of K
-    // and V once for them), so that a long prefill of few KV heads keeps every thread busy. A
-    // row's arithmetic does not depend on how its query rows are grouped (cpu_kernel.h), and the runs are fixed by
-    // the row alone, so the output is the same however many threads take the tasks. The threads claim tasks one at a
-    // time in list order; a run's cost grows with its place in the chunk (causal: its tokens see more keys), so the
-    // runs are listed last run first: the costliest are claimed first and the cheap ones fill in at the end.
+    // address order. A row of more than kRunTokens query tokens (a prefill chunk) is split further, per KV head and run
+    // of kRunTokens tokens (the run's tokens of every GQA group member in one call, which packs each chunk of K and V
+    // once for them), so that a long prefill of few KV heads keeps every thread busy. A row's arithmetic does not
+    // depend on how its query rows are grouped (cpu_kernel.h), and the runs are fixed by the row alone, so the output
+    // is the same however many threads take the tasks. The threads claim tasks one at a time in list order; a run's
+    // cost grows with its place in the chunk (causal: its tokens see more keys), so the runs are listed last run first:
+    // the costliest are claimed first and the cheap ones fill in at the end.
     tasks_.clear();
     for (size_t i = 0; i < round_.size(); ++i) {
       if (round_[i].slots.empty()) continue;
