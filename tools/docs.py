@@ -74,6 +74,10 @@ NOT_KEPT = (
     "KV outgrows the last-level cache (batch 8, 8k, block 16 and 128, tiny and real geometry): no gain in an A/B.",
     "CPU, block 16: tile_blocks 32 instead of 16 (prefill chunks of 512 keys): prefill 1-5% faster, decode 2-3% "
     "slower (tiny geometry) or 2-6% faster (real); the default tile, shared with the GPU path, not changed.",
+    "CPU kernel: the online softmax's exp pass two vectors at a time with two running sums: no gain (tiny geometry, "
+    "4096-token prefill, A/B).",
+    "CPU kernel, decode at block 16 (real geometry, K of 4 KiB per block and KV head): the next block's K asked for "
+    "whole instead of its first lines: no gain.",
 )
 
 
