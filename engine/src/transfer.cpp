@@ -164,17 +164,15 @@ std::pair<at::Tensor, at::Tensor> read_mapped(const at::Tensor& src, const at::T
                                               const std::vector<int64_t>& src_ids,
                                               const std::vector<int64_t>& dst_ids, int64_t row_bytes) {
   const auto n = static_cast<int64_t>(src_ids.size());
-  const auto buffer = [&] {
-    return at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
-  };
-  at::Tensor gathered, ids;
+  // One buffer for whichever read runs (the copy engines, or the gather when the copy engines decline).
+  at::Tensor gathered = at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
+  at::Tensor ids;
   // The copy engines, where the blocks come in runs long enough for them (mapped_dma_min_bytes): one descriptor per
   // run of consecutive source blocks, into consecutive rows of the buffer.
   const int64_t dma_min = mapped_dma_min_bytes();
   const auto starts = dma_min >= 0 ? run_starts(src_ids) : std::vector<int64_t>{};
   const auto runs = static_cast<int64_t>(starts.size());
   if (runs > 0 && n * row_bytes / runs >= dma_min) {  // mean bytes per run (no overflow)
-    gathered = buffer();
     CudaCopyRunsArgs copy;
     copy.device = dst.device().index();
     auto* from = static_cast<char*>(src.data_ptr());
@@ -190,7 +188,6 @@ std::pair<at::Tensor, at::Tensor> read_mapped(const at::Tensor& src, const at::T
   if (!ids.defined()) {
     ids = copy_ids(src_ids, dst_ids, /*with_src=*/true, dst.device());
     const auto src_dev = ids.narrow(0, 0, n);
-    gathered = buffer();
     const int64_t ctas = mapped_gather_ctas();
     if (ctas > 0 && row_copy_fits(src.data_ptr(), gathered.data_ptr(), row_bytes)) {
       // The gather kernel (cuda_kernel.h CudaGatherArgs): 16-byte loads, many in flight, over the host tier's device
