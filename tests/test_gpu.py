@@ -532,6 +532,71 @@ def test_batched_selection_chooses_the_row_by_row_blocks(cell: Cell) -> None:
             assert torch.equal(a[row], n[row]), f"forward {i}, row {row}"
 
 
+# selection.cpp kSelectBatchBytes: the widened key metadata one scoring batch of selecting rows may hold.
+SELECT_BATCH_BYTES = 128 << 20
+
+
+def test_batched_selection_in_several_batches_chooses_the_row_by_row_blocks() -> None:
+    """Rows whose widened key metadata outgrows one scoring batch (SELECT_BATCH_BYTES) are scored batch by batch:
+    five decode rows of 4k-6k blocks of one token, 16 KV heads of 128 (8 KiB of float32 metadata per candidate: two
+    rows per batch, three batches). Every row and KV head selects the blocks the ATen path's row-by-row scoring
+    selects; where a block differs, its Quest bound (float64, from the engine's key metadata) ties the k-th within
+    float32 rounding."""
+    import activekv._backend as backend
+
+    kvh, d, bs, dtype, sink, recent, budget = 16, 128, 1, torch.bfloat16, 4, 8, 64
+    top_k = budget // bs - sink - recent
+    lens = [6000, 5200, 6100, 4000, 5900]
+    per_batch = SELECT_BATCH_BYTES // ((max(lens) + 1 - sink - recent) * kvh * d * 4)
+    assert 1 < per_batch < len(lens) - 1, per_batch  # several batches, more than one row in each but the last
+    g = torch.Generator().manual_seed(5)
+    blocks = [n + 1 for n in lens]
+    nb = sum(blocks) + 8
+    perm = torch.randperm(nb, generator=g)
+    table = torch.zeros((len(lens), max(blocks)), dtype=torch.int32)
+    start = 0
+    for r, n in enumerate(blocks):
+        table[r, :n] = perm[start:start + n].to(torch.int32)
+        start += n
+    prompt_slots = torch.cat([table[r, :n].long() for r, n in enumerate(lens)]).cuda()
+    decode_slots = torch.tensor([table[r, n].item() for r, n in enumerate(lens)]).cuda()
+    k_prompt = torch.randn((sum(lens), kvh, d), generator=g).to(dtype).cuda()
+    v_prompt = torch.randn((sum(lens), kvh, d), generator=g).to(dtype).cuda()
+    q, k, v = (torch.randn((len(lens), kvh, d), generator=g).to(dtype).cuda() for _ in range(3))
+    qsl = torch.arange(len(lens) + 1, dtype=torch.int32)
+    seq = torch.tensor(blocks, dtype=torch.int32)
+    chosen = {}
+    for kernel in ("aten", "native"):
+        eng = backend.Engine(1, kvh, kvh, d, bs, dtype, 0, 256, device=torch.device("cuda"), mode="compressed",
+                             budget_tokens=budget, sink_blocks=sink, recent_blocks=recent, kernel=kernel,
+                             placement="in_place")
+        assert eng.top_k == top_k
+        cache = torch.zeros((nb, 2, bs, kvh * d), dtype=dtype, device="cuda")
+        eng.update_kv(0, k_prompt, v_prompt, cache, prompt_slots)
+        plan = eng.build(qsl, seq, table, len(lens), len(lens))
+        eng.update_kv(0, k, v, cache, decode_slots)
+        eng.forward(0, plan, q, cache, torch.empty_like(q), d ** -0.5)
+        chosen[kernel] = eng.selection(0)
+        kmin, kmax = eng.key_min(0).double().cpu(), eng.key_max(0).double().cpu()
+    assert sorted(chosen["aten"]) == sorted(chosen["native"]) == list(range(len(lens)))
+    differing = 0
+    for r, n in enumerate(blocks):
+        ids = table[r, sink:n - recent].long()
+        qr = q[r].double().cpu()  # [KVH, D] (one query head per KV head)
+        bound = (qr.clamp_min(0)[None] * kmax[ids] + qr.clamp_max(0)[None] * kmin[ids]).sum(-1)  # [C, KVH]
+        for h in range(kvh):
+            a, b = chosen["aten"][r][h].tolist(), chosen["native"][r][h].tolist()
+            assert len(a) == len(b) == budget // bs
+            if a == b:
+                continue
+            differing += 1
+            kth = bound[:, h].topk(top_k).values[-1].item()
+            pos = {int(x): i for i, x in enumerate(ids.tolist())}
+            for blk in set(a) ^ set(b):
+                assert abs(bound[pos[blk], h].item() - kth) <= 1e-4 * max(1.0, abs(kth)), (r, h, blk)
+    assert differing <= kvh  # near-ties are rare: at most a few (row, head) pairs
+
+
 def test_selecting_cells_hold_rows_of_different_lengths() -> None:
     """The batched selection's padding is exercised: some cell selects for two rows of different context lengths."""
     assert any(c.batch >= 2 and len(set(c.prompt_lens())) >= 2 for c in SELECTING)

@@ -128,13 +128,12 @@ at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const a
 }
 
 namespace {
-// Every selecting row of one layer at once, on the query's device (select_rows with Scoring::kBatched): the Quest
+// A batch of a layer's selecting rows at once, on the query's device (select_rows with Scoring::kBatched): the Quest
 // bound of the rows' candidates, padded to the longest row's count, in two batched matmuls; the top k per (row, KV
 // head) as top_blocks takes them, padding ranked below every candidate (each row has more than k); the chosen positions
 // read with a stable sort instead of nonzero, so no op waits for the device. [rows, KVH, m] int64 positions.
-at::Tensor select_batched(const StepPlan& plan, const std::vector<size_t>& selecting, const LayerState& layer,
-                          const at::Tensor& query, const Selection& sel) {
-  RECORD_FUNCTION("activekv::select_batched", std::vector<c10::IValue>());
+at::Tensor select_batch(const StepPlan& plan, const std::vector<size_t>& selecting, const LayerState& layer,
+                        const at::Tensor& query, const Selection& sel) {
   const int64_t r = static_cast<int64_t>(selecting.size()), kvh = layer.key_min.size(1), d = layer.key_min.size(2);
   const int64_t g = query.size(1) / kvh, k = sel.top_k, sink = sel.sink_blocks, rec = sel.recent_blocks;
   int64_t cmax = 0;
@@ -175,6 +174,29 @@ at::Tensor select_batched(const StepPlan& plan, const std::vector<size_t>& selec
   const auto sinks = at::arange(0, sink, opts).view({1, 1, sink}).expand({r, kvh, sink});
   const auto recents = dev.narrow(0, r * (cmax + 2), r * rec).view({r, 1, rec}).expand({r, kvh, rec});
   return at::cat({sinks, top.add(sink), recents}, -1);
+}
+
+// Widened key metadata of one batch of rows, at most (the rows' [KVH, D, candidates] in float32 for key_min, as many
+// for key_max, and the matmuls' operands beside them): a batch 16 at 128k with block 16 would otherwise hold ~1 GB.
+constexpr int64_t kSelectBatchBytes = int64_t{128} << 20;
+
+// select_batch over the selecting rows in batches of at most kSelectBatchBytes of widened metadata each.
+at::Tensor select_batched(const StepPlan& plan, const std::vector<size_t>& selecting, const LayerState& layer,
+                          const at::Tensor& query, const Selection& sel) {
+  RECORD_FUNCTION("activekv::select_batched", std::vector<c10::IValue>());
+  int64_t cmax = 0;
+  for (size_t i : selecting) cmax = std::max(cmax, plan.rows[i].nb - sel.sink_blocks - sel.recent_blocks);
+  const int64_t row_bytes = std::max<int64_t>(cmax, 1) * layer.key_min.size(1) * layer.key_min.size(2) * 4;
+  const auto per_batch = static_cast<size_t>(std::max<int64_t>(kSelectBatchBytes / row_bytes, 1));
+  if (selecting.size() <= per_batch) return select_batch(plan, selecting, layer, query, sel);
+  std::vector<at::Tensor> parts;
+  for (size_t b = 0; b < selecting.size(); b += per_batch) {
+    const std::vector<size_t> rows(selecting.begin() + static_cast<std::ptrdiff_t>(b),
+                                   selecting.begin() + static_cast<std::ptrdiff_t>(std::min(b + per_batch,
+                                                                                            selecting.size())));
+    parts.push_back(select_batch(plan, rows, layer, query, sel));
+  }
+  return at::cat(parts, 0);
 }
 }  // namespace
 
