@@ -200,7 +200,7 @@ def test_compressed_default_pool_scales_with_max_num_seqs_capped_by_the_kv_cache
 def test_builder_defaults_and_layer_registry() -> None:
     b = backend.Builder(spec(), LAYERS, vllm_config(), torch.device("cpu"))
     # On the CPU, with no pool asked for, blocks are read in place: no pool at all.
-    assert (b.engine.placement, b.engine.pool_blocks, b.engine.tile_blocks, b.engine.mode) == ("in_place", 0, 16,
+    assert (b.engine.placement, b.engine.pool_blocks, b.engine.tile_blocks, b.engine.mode) == ("in_place", 0, 128,
                                                                                               "exact")
     assert b.engine.snapshot()["info"]["in_place"] == 1
     assert [b.engine.layer_index(n) for n in LAYERS] == [0, 1]
@@ -209,8 +209,8 @@ def test_builder_defaults_and_layer_registry() -> None:
 
 
 @pytest.mark.parametrize(("options", "placement", "pool_blocks", "tile_blocks"), [
-    ({}, "in_place", 0, 16),  # the CPU default: no pool
-    ({"mode": "compressed"}, "in_place", 0, 16),
+    ({}, "in_place", 0, 128),  # the CPU default: no pool, tiles of 2048 tokens (128 blocks of BS = 16)
+    ({"mode": "compressed"}, "in_place", 0, 128),
     ({"pool_blocks": 64}, "pool", 64, 16),  # a pool asked for keeps the copy-through-the-pool path
     ({"pool_blocks": 8}, "pool", 8, 8),  # a pool smaller than the default tile takes tiles of its size
     ({"pool_blocks": 8, "tile_blocks": 4}, "pool", 8, 4),
@@ -220,6 +220,18 @@ def test_builder_defaults_and_layer_registry() -> None:
 def test_builder_placement_pool_and_tile(options: dict, placement: str, pool_blocks: int, tile_blocks: int) -> None:
     e = backend.Builder(spec(), LAYERS, vllm_config(options), torch.device("cpu")).engine
     assert (e.placement, e.pool_blocks, e.tile_blocks) == (placement, pool_blocks, tile_blocks)
+
+
+@pytest.mark.parametrize(("block_size", "options", "tile_blocks"), [
+    (16, {}, 128), (32, {}, 64), (128, {}, 16), (256, {}, 16), (4096, {}, 16),  # in place: >= 2048 tokens, >= 16 blocks
+    (16, {"tile_blocks": 4}, 4),  # given: taken as it is
+    (16, {"pool_blocks": 64}, 16),  # a pool keeps 16-block tiles (the unit streamed through it)
+])
+def test_builder_in_place_tile_spans_2048_tokens(block_size: int, options: dict, tile_blocks: int) -> None:
+    """In place on the CPU a tile is only the online softmax's merge step: with no tile_blocks given it spans at least
+    2048 tokens (options.h kCpuInPlaceTileTokens) and 16 blocks."""
+    s = SimpleNamespace(block_size=block_size, num_kv_heads=KVH, head_size=D, dtype=torch.float32, sliding_window=None)
+    assert backend.Builder(s, LAYERS, vllm_config(options), torch.device("cpu")).engine.tile_blocks == tile_blocks
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

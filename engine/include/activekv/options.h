@@ -49,9 +49,11 @@ struct BackendConfig {
 /// pool would be the same memory); else a pool of 256 blocks per layer (exact mode; compressed mode's default pool is
 /// compressed_default_pool). On CUDA, placement in place is taken when asked for: the KV cache then stays in the
 /// device's memory (no host tier in pinned host memory). Tiles of 16 blocks, or of pool_blocks blocks where
-/// pool_blocks alone is smaller.
+/// pool_blocks alone is smaller; in place on the CPU, where a tile is only the online softmax's merge step (no pool to
+/// fill), tiles of at least kCpuInPlaceTileTokens tokens (16 blocks at block 128, 128 at block 16).
 inline constexpr int64_t kDefaultPoolBlocks = 256;
 inline constexpr int64_t kDefaultTileBlocks = 16;
+inline constexpr int64_t kCpuInPlaceTileTokens = 2048;
 
 /// Compressed mode's default pool: the worst-case union of one row's selections for each of the scheduler's rows
 /// (scheduler_config.max_num_seqs, as vLLM's own metadata builders read it), so a full batch's selections stay
