@@ -571,7 +571,7 @@ def test_batched_selection_in_several_batches_chooses_the_row_by_row_blocks() ->
                              budget_tokens=budget, sink_blocks=sink, recent_blocks=recent, kernel=kernel,
                              placement="in_place")
         assert eng.top_k == top_k
-        cache = torch.zeros((nb, 2, bs, kvh * d), dtype=dtype, device="cuda")
+        cache = torch.zeros((nb, kvh, bs, 2 * d), dtype=dtype, device="cuda")
         eng.update_kv(0, k_prompt, v_prompt, cache, prompt_slots)
         plan = eng.build(qsl, seq, table, len(lens), len(lens))
         eng.update_kv(0, k, v, cache, decode_slots)

@@ -59,7 +59,7 @@ TILE_BLOCKS = 4
 MAX_TOKENS = 16
 DEVICE_BUDGET = 2 << 20
 HOST_BUDGET = 256 << 20
-RESIDENT_BLOCKS = 512  # per layer: more than every workload's blocks together, so nothing is evicted
+RESIDENT_BLOCKS = 1024  # per layer: more than every workload's blocks together, so nothing is evicted
 TF32_LOGPROB_TOL = 5e-2  # module docstring: stock TRITON_ATTN's tl.dot runs float32 as TF32
 TF32_NEAR_TIE = 5e-2
 FP32_LOGPROB_TOL = 1e-3  # module docstring: IEEE float32 on both sides, summation order only
@@ -67,7 +67,8 @@ FP32_NEAR_TIE = 1e-3
 # name: (query heads, KV heads, head size)
 MODELS = {"gqa4-d64": (8, 2, 64), "gqa8-d128": (16, 2, 128)}
 BATCH8 = (1, 15, 16, 17, 32, 48, 1000, 3000)
-BATCH1 = ((1,), (17,), (3000,))
+# The last: the longest prompt max_model_len takes with MAX_TOKENS after it (test_largest_context_is_8x_stocks).
+BATCH1 = ((1,), (17,), (3000,), (MAX_MODEL_LEN - MAX_TOKENS,))
 EXACT = {"mode": "exact", "pool_blocks": POOL_BLOCKS, "tile_blocks": TILE_BLOCKS}
 EXACT_RESIDENT = {"mode": "exact", "pool_blocks": RESIDENT_BLOCKS, "tile_blocks": TILE_BLOCKS, "kernel": "aten"}
 # 256 tokens per KV head: 1 sink + 13 selected + 2 recent blocks; pool: the worst-case union of one row (2 * 13 + 3).
@@ -194,6 +195,19 @@ def test_routing_and_host_tier(exact_results: dict[str, Any]) -> None:
 def test_stock_refuses_the_device_budget(exact_results: dict[str, Any]) -> None:
     """Stock vLLM cannot hold one max_model_len context in DEVICE_BUDGET: it refuses at start-up."""
     assert exact_results["stock_small"] is not None and "KV cache" in exact_results["stock_small"]
+
+
+def test_largest_context_is_8x_stocks(exact_results: dict[str, Any]) -> None:
+    """The longest context ActiveKV serves exactly here (the last batch-1 prompt and its MAX_TOKENS, compared with
+    stock vLLM given HOST_BUDGET by the tests below) holds at least 8x the tokens stock vLLM's KV cache holds at
+    DEVICE_BUDGET (DEVICE_BUDGET over the model's float32 K and V bytes per token, every layer): 8x for gqa4-d64,
+    16x for gqa8-d128. ActiveKV's pool, every layer's, fits DEVICE_BUDGET (test_exact_streaming_equals_triton)."""
+    _, kv_heads, head_size = MODELS[exact_results["model"]]
+    stock_tokens = DEVICE_BUDGET // (LAYERS * kv_heads * head_size * 2 * 4)
+    gen = exact_results["akv"][f"batch1-{BATCH1[-1][0]}"]
+    served = max(n + len(t) for n, t in zip(gen.prompt_lens, gen.token_ids, strict=True))
+    print(f"{exact_results['model']}: stock holds {stock_tokens} tokens at DEVICE_BUDGET; ActiveKV served {served}")
+    assert served >= 8 * stock_tokens
 
 
 @pytest.mark.parametrize("workload", ["batch8", *(f"batch1-{n[0]}" for n in BATCH1)])
