@@ -230,7 +230,7 @@ class CpuPath : public ForwardPath {
         a.members = task.members;
         a.member_stride = rows[i].lq;
         a.num_q = run ? task.rows : rows[i].lq;
-        a.first_query_pos = rows[i].seq - rows[i].lq + (run ? task.r0 % rows[i].lq : 0);
+        a.first_query_pos = rows[i].seq - rows[i].lq + (run ? task.r0 : 0);
         // Exact rows: tile after tile, head after head (every head reads the same slots, whose K and V of all heads
         // lie side by side, so the pool is read close to its address order). Compressed rows: head after head, each
         // head's blocks in one call (the heads' blocks differ, so nothing is shared between them, and the kernel then
