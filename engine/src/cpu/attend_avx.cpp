@@ -235,8 +235,11 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs;
   const float scale = static_cast<float>(a.scale);
   int64_t any = 0;
-  for (int i = 0; i < RB; ++i)
-    for (int64_t c = 0; c < cb; ++c) any += valid[i * cb + c] = valid_keys(a, r0 + i, a.block_pos[c0 + c] * bs);
+  for (int i = 0; i < RB; ++i) {  // valid_keys, each row's position taken once (one division per row, not per block)
+    const int64_t seen = a.first_query_pos + (r0 + i) % a.num_q + 1;  // keys before the row's position and its own
+    for (int64_t c = 0; c < cb; ++c)
+      any += valid[i * cb + c] = std::min<int64_t>(bs, std::max<int64_t>(0, seen - a.block_pos[c0 + c] * bs));
+  }
   if (any == 0) return;  // a prefill row group before this chunk: nothing to merge
   // Scores, block by block so the block's K stays in L1 across the rows; keys past a row's limit become -inf. Whole
   // groups of kW keys go to score_group: every head size with AVX512-BF16 dot products (q_bf16 is given only for head
@@ -275,7 +278,32 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
   float* acc[RB];
   for (int i = 0; i < RB; ++i) acc[i] = a.acc + (r0 + i) * d;
   const int64_t dv = d - d % kW;
-  if (cb * bs * d * static_cast<int64_t>(sizeof(T)) > kChunkVInL1) {
+  // Columns [j, j + NJ * kW) of the rows' accumulators over the whole chunk: loaded (times alpha) and stored once,
+  // in registers across the chunk's blocks.
+  const auto walk = [&](int64_t j, auto nj) {
+    constexpr int NJ = decltype(nj)::value;
+    Vec o[RB][NJ];
+    for (int i = 0; i < RB; ++i)
+      for (int u = 0; u < NJ; ++u) o[i][u] = Vec::loadu(acc[i] + j + u * kW) * Vec(alpha[i]);
+    for (int64_t c = 0; c < cb; ++c) {
+      int64_t lim[RB];
+      for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
+      accumulate_block<T, RB, NJ>(static_cast<const T*>(a.kv[c0 + c]) + bs * d, d, j, s + c * bs, nk, lim, o);
+    }
+    for (int i = 0; i < RB; ++i)
+      for (int u = 0; u < NJ; ++u) o[i][u].store(acc[i] + j + u * kW);
+  };
+  // A head of one, two or (with 32 vector registers) four vectors is walked in one pass whatever the chunk's size: each
+  // block's V read once in address order with no accumulator loads and stores between blocks, which at block 16 cost
+  // as much as a quarter of P x V's loads. Against one pass per block: 5% less time per decode step of the e2e tiny
+  // model's geometry at block 16 (head size 32, GQA 2), the same at block 128.
+  if (kWideRows && dv == 4 * kW) {
+    walk(0, std::integral_constant<int, 4>{});
+  } else if (dv == 2 * kW) {
+    walk(0, std::integral_constant<int, 2>{});
+  } else if (dv == kW) {
+    walk(0, std::integral_constant<int, 1>{});
+  } else if (cb * bs * d * static_cast<int64_t>(sizeof(T)) > kChunkVInL1) {
     // The chunk's V outgrows L1 (64-128 KiB at head size 128): block by block, each block's V read once in address
     // order, the rows' accumulators of one, two or four vectors of the head in registers over the block's keys.
     for (int i = 0; i < RB; ++i)
@@ -306,19 +334,6 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
     // The chunk's V fits in L1 (small heads): two vectors of the head at a time (2 x RB independent chains of fused
     // multiply-adds; one vector's RB chains waited on the adds' latency) over the whole chunk, the accumulators loaded
     // and stored once per chunk instead of once per block.
-    const auto walk = [&](int64_t j, auto nj) {
-      constexpr int NJ = decltype(nj)::value;
-      Vec o[RB][NJ];
-      for (int i = 0; i < RB; ++i)
-        for (int u = 0; u < NJ; ++u) o[i][u] = Vec::loadu(acc[i] + j + u * kW) * Vec(alpha[i]);
-      for (int64_t c = 0; c < cb; ++c) {
-        int64_t lim[RB];
-        for (int i = 0; i < RB; ++i) lim[i] = valid[i * cb + c];
-        accumulate_block<T, RB, NJ>(static_cast<const T*>(a.kv[c0 + c]) + bs * d, d, j, s + c * bs, nk, lim, o);
-      }
-      for (int i = 0; i < RB; ++i)
-        for (int u = 0; u < NJ; ++u) o[i][u].store(acc[i] + j + u * kW);
-    };
     int64_t j = 0;
     for (; j + 2 * kW <= dv; j += 2 * kW) walk(j, std::integral_constant<int, 2>{});
     for (; j < dv; j += kW) walk(j, std::integral_constant<int, 1>{});
