@@ -293,13 +293,12 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
     for (int i = 0; i < RB; ++i)
       for (int u = 0; u < NJ; ++u) o[i][u].store(acc[i] + j + u * kW);
   };
-  // A head of one, two or (with 32 vector registers) four vectors is walked in one pass whatever the chunk's size: each
-  // block's V read once in address order with no accumulator loads and stores between blocks, which at block 16 cost
-  // as much as a quarter of P x V's loads. Against one pass per block: 5% less time per decode step of the e2e tiny
-  // model's geometry at block 16 (head size 32, GQA 2), the same at block 128.
-  if (kWideRows && dv == 4 * kW) {
-    walk(0, std::integral_constant<int, 4>{});
-  } else if (dv == 2 * kW) {
+  // A head of one or two vectors (head size 32 in float32 with AVX-512) is walked in one pass whatever the chunk's
+  // size: each block's V read once in address order with no accumulator loads and stores between blocks, which at
+  // block 16 cost a quarter of P x V's loads. Against one pass per block: 8% less time per decode step of the e2e
+  // tiny model's geometry at block 16 (head size 32, GQA 2), the same at block 128. A head of four vectors (64) walked
+  // so measured 5% slower at GQA 3 (1024-token rows, batch 8) and stays block by block.
+  if (dv == 2 * kW) {
     walk(0, std::integral_constant<int, 2>{});
   } else if (dv == kW) {
     walk(0, std::integral_constant<int, 1>{});
