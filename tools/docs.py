@@ -79,6 +79,12 @@ NOT_KEPT = (
     "4096-token prefill, A/B).",
     "CPU kernel, decode at block 16 (real geometry, K of 4 KiB per block and KV head): the next block's K asked for "
     "whole instead of its first lines: no gain.",
+    "CPU kernel, decode at block 16 (tiny geometry, K of 2 KiB per block and KV head): the next block's K asked for by "
+    "its first 2 lines, or not at all, instead of whole; K 4-8 blocks ahead, V 2-8 blocks ahead in P x V, either into "
+    "L2 only, or transparent huge pages under vLLM's cache: the same in cache (one thread, 2048 x 8) and within the "
+    "noise from DRAM (two threads, 8192 x 8).",
+    "CPU kernel, decode: P x V of a head of four vectors (64 in float32) walked over the whole chunk in registers, as "
+    "heads of one or two are: 5% slower at GQA 3 (1024 x 8, block 16).",
 )
 
 
