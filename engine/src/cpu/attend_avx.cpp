@@ -199,22 +199,23 @@ template <int RB>
 void chunk_packed(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* s, int64_t* valid, const float* kt,
                   const float* vt) {
   const int64_t bs = a.block_size, nk = cb * bs, nkv = nk - nk % kW;
-  int64_t any = 0;
-  for (int i = 0; i < RB; ++i) {  // valid_keys, each row's position taken once (one division per row, not per block)
-    const int64_t seen = a.first_query_pos + (r0 + i) % a.num_q + 1;  // keys before the row's position and its own
-    for (int64_t c = 0; c < cb; ++c)
-      any += valid[i * cb + c] = std::min<int64_t>(bs, std::max<int64_t>(0, seen - a.block_pos[c0 + c] * bs));
-  }
-  if (any == 0) return;  // a row group before this chunk: nothing to merge
-  int64_t end[RB], seen = 0;
+  // valid_keys, each row's position taken once (one division per row, not per block), and in the same pass the end of
+  // the row's last visible key in the chunk (c * bs + valid grows with c wherever valid > 0: the last such block's).
+  int64_t any = 0, end[RB], seen = 0;
   for (int i = 0; i < RB; ++i) {
+    const int64_t pos = a.first_query_pos + (r0 + i) % a.num_q + 1;  // keys before the row's position and its own
     int64_t last = 0;
-    for (int64_t c = 0; c < cb; ++c)
-      if (valid[i * cb + c] > 0) last = std::max(last, c * bs + valid[i * cb + c]);
+    for (int64_t c = 0; c < cb; ++c) {
+      const int64_t v = std::min<int64_t>(bs, std::max<int64_t>(0, pos - a.block_pos[c0 + c] * bs));
+      valid[i * cb + c] = v;
+      any += v;
+      last = v > 0 ? c * bs + v : last;
+    }
     seen = std::max(seen, last);
     end[i] = (last + kW - 1) / kW * kW;
     if (end[i] > nkv) end[i] = nk;
   }
+  if (any == 0) return;  // a row group before this chunk: nothing to merge
   score_packed<RB>(a, r0, kt, (seen + kPackKeys - 1) / kPackKeys * kPackKeys, static_cast<float>(a.scale), s, nk);
   for (int i = 0; i < RB; ++i)
     for (int64_t c = 0; c * bs < end[i]; ++c)
