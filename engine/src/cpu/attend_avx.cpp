@@ -331,7 +331,7 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
       for (; j < dv; j += kW) block(v, j, lim, c, std::integral_constant<int, 1>{});
     }
   } else {
-    // The chunk's V fits in L1 (small heads): two vectors of the head at a time (2 x RB independent chains of fused
+    // The chunk's V fits in L1 (few blocks): two vectors of the head at a time (2 x RB independent chains of fused
     // multiply-adds; one vector's RB chains waited on the adds' latency) over the whole chunk, the accumulators loaded
     // and stored once per chunk instead of once per block.
     int64_t j = 0;
