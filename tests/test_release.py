@@ -216,6 +216,12 @@ def test_audit_passes_on_the_built_wheel(wheel: Path, ref: Path) -> None:
         ("metadata", r"activekv-[\d.]+\.dist-info/METADATA"),
     ]:
         assert re.search(rf"^  {kind} +{pattern}  ", done.stdout, re.MULTILINE), (kind, done.stdout)
+    # README.md quotes how the release wheel's audit ends: the same last lines as this wheel's.
+    readme = (REPO / "README.md").read_text()
+    quoted = re.search(r"On the release wheel the audit ends:\n\n```\n(.*?)```", readme, re.S)
+    assert quoted, "README.md: no quoted audit ending after 'On the release wheel the audit ends:'"
+    ending = quoted.group(1).splitlines()
+    assert done.stdout.splitlines()[-len(ending):] == ending, "README.md's quoted audit ending is stale"
 
 
 def test_audit_json_lists_every_file_once(wheel: Path, ref: Path) -> None:
