@@ -153,6 +153,13 @@ def test_help_names_the_commands_options_variables_and_exit_codes(args: list[str
     for var in variables:
         assert re.search(rf"^  {var}\b\S* +\S", out, re.MULTILINE), f"{var} not in the help"
     assert "exit status: 0 done; 1 refused or failed" in out and "2 bad usage" in out
+    # The block sizes the help names are the backend's.
+    import torch  # noqa: F401  (activekv's modules need torch first)
+    import activekv._backend as backend
+
+    named = re.search(r"--block-size .* must be ((?:\d+, )*\d+ or \d+) with ActiveKV", out.replace("\n", " "))
+    assert named, out
+    assert [int(x) for x in re.findall(r"\d+", named.group(1))] == backend.supported_block_sizes()
 
 
 @pytest.mark.parametrize("command", ["version", "patch", "plugins", "help"])
