@@ -111,10 +111,7 @@ void chunk_rows_amx(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, flo
   using BF = at::BFloat16;
   const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs, nk32 = (nk + 31) / 32 * 32, pairs = nk32 / 2;
   const float scale = static_cast<float>(a.scale);
-  int64_t any = 0;
-  for (int i = 0; i < RB; ++i)
-    for (int64_t c = 0; c < cb; ++c) any += valid[i * cb + c] = valid_keys(a, r0 + i, a.block_pos[c0 + c] * bs);
-  if (any == 0) return;  // a prefill row group before this chunk: nothing to merge
+  if (fill_valid<RB>(a, r0, c0, cb, valid) == 0) return;  // a prefill row group before this chunk: nothing to merge
   // The rows' query in the pair layout (rows past RB zero): B operand of the scores, 32 head values per tile.
   BF* qp = w.qpack.data();
   for (int64_t ks = 0; ks < d / 32; ++ks)

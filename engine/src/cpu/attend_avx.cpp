@@ -199,14 +199,14 @@ template <int RB>
 void chunk_packed(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* s, int64_t* valid, const float* kt,
                   const float* vt) {
   const int64_t bs = a.block_size, nk = cb * bs, nkv = nk - nk % kW;
-  // valid_keys, each row's position taken once (one division per row, not per block), and in the same pass the end of
-  // the row's last visible key in the chunk (c * bs + valid grows with c wherever valid > 0: the last such block's).
+  // fill_valid's limits, and in the same pass the end of the row's last visible key in the chunk (c * bs + valid grows
+  // with c wherever valid > 0: the last such block's).
   int64_t any = 0, end[RB], seen = 0;
   for (int i = 0; i < RB; ++i) {
-    const int64_t pos = a.first_query_pos + (r0 + i) % a.num_q + 1;  // keys before the row's position and its own
+    const int64_t row_seen = keys_seen(a, r0 + i);
     int64_t last = 0;
     for (int64_t c = 0; c < cb; ++c) {
-      const int64_t v = std::min<int64_t>(bs, std::max<int64_t>(0, pos - a.block_pos[c0 + c] * bs));
+      const int64_t v = visible_in_block(row_seen, a.block_pos[c0 + c] * bs, bs);
       valid[i * cb + c] = v;
       any += v;
       last = v > 0 ? c * bs + v : last;
@@ -235,13 +235,7 @@ void chunk_rows(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* 
                 const at::BFloat16* q_bf16) {
   const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs;
   const float scale = static_cast<float>(a.scale);
-  int64_t any = 0;
-  for (int i = 0; i < RB; ++i) {  // valid_keys, each row's position taken once (one division per row, not per block)
-    const int64_t seen = a.first_query_pos + (r0 + i) % a.num_q + 1;  // keys before the row's position and its own
-    for (int64_t c = 0; c < cb; ++c)
-      any += valid[i * cb + c] = std::min<int64_t>(bs, std::max<int64_t>(0, seen - a.block_pos[c0 + c] * bs));
-  }
-  if (any == 0) return;  // a prefill row group before this chunk: nothing to merge
+  if (fill_valid<RB>(a, r0, c0, cb, valid) == 0) return;  // a prefill row group before this chunk: nothing to merge
   // Scores, block by block so the block's K stays in L1 across the rows; keys past a row's limit become -inf. Whole
   // groups of kW keys go to score_group: every head size with AVX512-BF16 dot products (q_bf16 is given only for head
   // sizes that are multiples of 16 = kW), else head sizes that are multiples of kW.
@@ -401,7 +395,7 @@ void attend(const AttendArgs& a) {
       const int64_t cb = std::min(cstep, a.num_blocks - c0);
       bool seen = false;  // by the row of the last query token (the causal limit grows with the token)
       for (int64_t c = 0; c < cb && !seen; ++c)
-        seen = valid_keys(a, std::min(a.num_q, a.rows) - 1, a.block_pos[c0 + c] * bs) > 0;
+        seen = visible_in_block(keys_seen(a, std::min(a.num_q, a.rows) - 1), a.block_pos[c0 + c] * bs, bs) > 0;
       if (!seen) continue;  // a chunk past every row of the call (a run's later tiles): nothing to pack or merge
       pack_keys<T>(a, c0, cb, kt.data(), (cb * bs + kPackKeys - 1) / kPackKeys * kPackKeys);
       pack_values<T>(a, c0, cb, vt.data());

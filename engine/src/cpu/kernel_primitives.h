@@ -270,10 +270,25 @@ inline Vec in_register(Vec v) {
 #endif
 }
 
-// Causal limit: keys of the block starting at key0 that query row r (of the request row) may see, 0 .. bs.
-inline int64_t valid_keys(const AttendArgs& a, int64_t r, int64_t key0) {
-  const int64_t qpos = a.first_query_pos + r % a.num_q;
-  return std::min<int64_t>(a.block_size, std::max<int64_t>(0, qpos - key0 + 1));
+// Causal limit of query row r (of the request row): the keys before its position and its own.
+inline int64_t keys_seen(const AttendArgs& a, int64_t r) { return a.first_query_pos + r % a.num_q + 1; }
+
+// Of the block starting at key0, the keys a row that has seen `seen` keys may attend: 0 .. bs.
+inline int64_t visible_in_block(int64_t seen, int64_t key0, int64_t bs) {
+  return std::min<int64_t>(bs, std::max<int64_t>(0, seen - key0));
+}
+
+// valid[i * cb + c] = the keys row r0 + i may attend in block c0 + c of the args, for RB rows (one division per row,
+// not per block); returns their sum (0: the rows see none of these blocks).
+template <int RB>
+inline int64_t fill_valid(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, int64_t* valid) {
+  const int64_t bs = a.block_size;
+  int64_t any = 0;
+  for (int i = 0; i < RB; ++i) {
+    const int64_t seen = keys_seen(a, r0 + i);
+    for (int64_t c = 0; c < cb; ++c) any += valid[i * cb + c] = visible_in_block(seen, a.block_pos[c0 + c] * bs, bs);
+  }
+  return any;
 }
 
 // Online softmax per row r0 + i over a chunk's scores s [RB, nk] (row stride nk), in place: the new running max
