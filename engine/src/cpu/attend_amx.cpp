@@ -109,7 +109,7 @@ inline void interleave_o(__m512 even, __m512 odd, __m512& first, __m512& second)
 template <int RB>
 void chunk_rows_amx(const AttendArgs& a, int64_t r0, int64_t c0, int64_t cb, float* s, int64_t* valid, AmxScratch& w) {
   using BF = at::BFloat16;
-  const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs, nk32 = (nk + 31) / 32 * 32, pairs = nk32 / 2;
+  const int64_t bs = a.block_size, d = a.head_size, nk = cb * bs, nk32 = (nk + 31) / 32 * 32;
   const float scale = static_cast<float>(a.scale);
   if (fill_valid<RB>(a, r0, c0, cb, valid) == 0) return;  // a prefill row group before this chunk: nothing to merge
   // The rows' query in the pair layout (rows past RB zero): B operand of the scores, 32 head values per tile.
