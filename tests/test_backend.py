@@ -21,12 +21,17 @@ def vllm_config(options: dict | None = None, extra: object = None,
                 impls: dict[str, backend.Impl] | None = None) -> SimpleNamespace:
     """impls: {layer name: Impl}, the attention layers vLLM registers in compilation_config.static_forward_context
     (each layer's impl the patch's ActiveKVImpl, whose _native is the Impl): a Builder binds its engine to them."""
-    model_config = SimpleNamespace(get_num_attention_heads=lambda parallel_config: H)
+    # The model configuration's accessors state spec()'s geometry over LAYERS (what check_config reads).
+    model_config = SimpleNamespace(get_num_attention_heads=lambda parallel_config: H,
+                                   get_num_kv_heads=lambda parallel_config: KVH, get_head_size=lambda: D,
+                                   get_num_layers_by_block_type=lambda parallel_config, block_type: len(LAYERS),
+                                   dtype=torch.float32)
     additional = extra if extra is not None else ({"activekv": options} if options is not None else {})
     layers = {name: SimpleNamespace(layer_name=name, impl=SimpleNamespace(_native=impl))
               for name, impl in (impls or {}).items()}
     return SimpleNamespace(model_config=model_config, parallel_config=SimpleNamespace(), additional_config=additional,
-                           compilation_config=SimpleNamespace(static_forward_context=layers))
+                           compilation_config=SimpleNamespace(static_forward_context=layers),
+                           cache_config=SimpleNamespace(block_size=BS), device_config=SimpleNamespace(device_type="cpu"))
 
 
 def spec(dtype: torch.dtype = torch.float32) -> SimpleNamespace:
@@ -138,7 +143,7 @@ def test_forward_without_metadata_counts_only_on_the_engine_its_cache_identifies
     assert first.engine.snapshot()["forward_skipped"] == 1 and second.engine.snapshot()["forward_skipped"] == 1
 
 
-@pytest.mark.parametrize(("options", "exc", "match"), [
+BAD_OPTIONS = [
     ({"pool_blocks": 4, "bogus": 1}, ValueError, "unknown ActiveKV option.*bogus"),
     ({"mode": "sparse"}, ValueError, "mode must be 'exact' or 'compressed', got 'sparse'"),
     ({"mode": "compressed", "budget_tokens": 48, "sink_blocks": 1, "recent_blocks": 2}, ValueError,
@@ -158,10 +163,55 @@ def test_forward_without_metadata_counts_only_on_the_engine_its_cache_identifies
     ({"mode": "compressed", "dense_layers": 3}, ValueError,
      r"dense_layers'\] must be in \[0, 2\] \(the model's attention layers\), got 3"),
     ({"mode": "compressed", "dense_layers": 1.5}, TypeError, "dense_layers'\\] must be an int"),
-])
+]
+
+
+@pytest.mark.parametrize(("options", "exc", "match"), BAD_OPTIONS)
 def test_builder_rejects_bad_options(options: dict, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         backend.Builder(spec(), LAYERS, vllm_config(options), torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("options", "exc", "match"), BAD_OPTIONS)
+def test_check_config_rejects_what_the_builder_rejects(options: dict, exc: type, match: str) -> None:
+    # The patch's early check (CpuPlatform.check_and_update_config) with the Builder's own messages.
+    with pytest.raises(exc, match=match):
+        backend.check_config(vllm_config(options))
+
+
+@pytest.mark.parametrize("options", [{}, {"mode": "compressed"}, {"pool_blocks": 64, "tile_blocks": 8},
+                                     {"mode": "compressed", "budget_tokens": 256, "pool_blocks": 29},
+                                     {"placement": "in_place", "tile_blocks": 4}])
+def test_check_config_accepts_what_the_builder_accepts(options: dict) -> None:
+    cfg = vllm_config(options)
+    assert backend.check_config(cfg) is None
+    backend.Builder(spec(), LAYERS, cfg, torch.device("cpu"))
+
+
+def test_check_config_defers_what_it_cannot_know_yet_to_the_builder() -> None:
+    bad = {"pool_blocks": 2, "tile_blocks": 4}
+    no_block_size = vllm_config(bad)
+    no_block_size.cache_config.block_size = None  # the platform settles it later: the Builder checks
+    assert backend.check_config(no_block_size) is None
+    no_model = vllm_config(bad)
+    no_model.model_config = None
+    assert backend.check_config(no_model) is None
+    with pytest.raises(ValueError, match=r"pool_blocks \(2\) must be >= tile_blocks \(4\)"):
+        backend.Builder(spec(), LAYERS, no_block_size, torch.device("cpu"))
+
+
+def test_check_config_names_what_it_reads_wrongly() -> None:
+    on_xpu = vllm_config({"mode": "exact"})
+    on_xpu.device_config.device_type = "xpu"
+    with pytest.raises(ValueError, match="ActiveKV runs on the CPU or a CUDA device, got device_type 'xpu'"):
+        backend.check_config(on_xpu)
+    no_options = vllm_config({})
+    no_options.device_config.device_type = "xpu"
+    assert backend.check_config(no_options) is None  # no options: nothing of the user's to check
+    bad_heads = vllm_config({"mode": "exact"})
+    bad_heads.model_config.get_num_kv_heads = lambda parallel_config: "2"
+    with pytest.raises(TypeError, match=r"model_config.get_num_kv_heads\(parallel_config\) must be an int, got '2'"):
+        backend.check_config(bad_heads)
 
 
 def test_builder_rejects_non_dict_options() -> None:

@@ -243,15 +243,15 @@ def test_a_citation_naming_another_symbol_is_reported(ref: Path, broken: Path) -
 
 
 def test_a_native_import_in_an_existing_module_must_cite_vllms_import_of_it(ref: Path, broken: Path) -> None:
-    # 0005's import in vllm/v1/worker/utils.py cited to the plugin loader: a valid quote, and a `load`, but that call
-    # loads ActiveKV's entry point, not the module the import lands in.
+    # 0005's import in vllm/v1/worker/utils.py (the series' third native import) cited to the plugin loader: a
+    # valid quote, and a `load`, but that call loads ActiveKV's entry point, not the module the import lands in.
     path = broken / "contracts.toml"
     line = "from activekv import _backend"
-    edit_entry(path, line, 'file = "vllm/v1/worker/gpu_model_runner.py"', 'file = "vllm/plugins/__init__.py"', 1)
-    edit_entry(path, line, "line = 219\n", "line = 69\n", 1)
-    edit_entry(path, line, 'text = "from vllm.v1.worker.utils import ("', 'text = "func = plugin.load()"', 1)
+    edit_entry(path, line, 'file = "vllm/v1/worker/gpu_model_runner.py"', 'file = "vllm/plugins/__init__.py"', 2)
+    edit_entry(path, line, "line = 219\n", "line = 69\n", 2)
+    edit_entry(path, line, 'text = "from vllm.v1.worker.utils import ("', 'text = "func = plugin.load()"', 2)
     done = check_broken(ref, broken)
-    assert "symbol: contract #80 (vllm/v1/worker/utils.py: 'from activekv import _backend')" in done.stdout
+    assert "symbol: contract #83 (vllm/v1/worker/utils.py: 'from activekv import _backend')" in done.stdout
     assert "must cite vLLM's import of that module ('from vllm.v1.worker.utils import ...')" in done.stdout
     assert len(done.stdout.splitlines()) == 2, done.stdout
 

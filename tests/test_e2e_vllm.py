@@ -252,6 +252,32 @@ def test_activekv_rejects_unknown_option_at_startup(tiny_model: str, cpu_attn_ru
         VllmEngine(config)
 
 
+@pytest.mark.parametrize(("options", "exc", "match"), [
+    ({**EXACT, "bogus_key": 1}, ValueError, r"unknown ActiveKV option additional_config\['activekv'\]\['bogus_key'\]"),
+    ({"mode": "fast"}, ValueError, "mode must be 'exact' or 'compressed', got 'fast'"),
+    ({"pool_blocks": "8"}, TypeError, r"pool_blocks'\] must be an int, got '8'"),
+    ({"pool_blocks": 4, "tile_blocks": 8}, ValueError, r"pool_blocks \(4\) must be >= tile_blocks \(8\)"),
+    ({"mode": "compressed", "budget_tokens": 32}, ValueError,
+     r"budget_tokens \(32\) must cover sink_blocks \+ recent_blocks \+ one block = 64 tokens at block_size 16"),
+    ({"mode": "compressed", "dense_layers": NUM_LAYERS + 1}, ValueError,
+     rf"dense_layers'\] must be in \[0, {NUM_LAYERS}\] \(the model's attention layers\)"),
+])
+def test_bad_options_fail_as_vllm_makes_its_configuration(tiny_model: str, options: dict, exc: type,
+                                                          match: str) -> None:
+    # The patch's check in CpuPlatform.check_and_update_config: the error comes from making the configuration in the
+    # user's process (what LLM(...) and `vllm serve` do first), before any engine core or model load.
+    available, why = activekv_status()
+    if not available:
+        pytest.skip(why)
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = EngineConfig(tiny_model, backend=ACTIVEKV, activekv=options, block_size=BLOCK_SIZE).llm_kwargs()
+    with pytest.raises(exc, match=match):
+        EngineArgs(model=tiny_model, **kwargs).create_engine_config()
+    good = EngineConfig(tiny_model, backend=ACTIVEKV, activekv=EXACT, block_size=BLOCK_SIZE).llm_kwargs()
+    assert EngineArgs(model=tiny_model, **good).create_engine_config().additional_config == {"activekv": EXACT}
+
+
 def test_tiny_model_is_deterministic(tmp_path: Path, tiny_model: str) -> None:
     again = make_tiny_model(tmp_path / "again")
     for name in ("config.json", "model.safetensors"):

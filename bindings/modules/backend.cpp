@@ -134,6 +134,42 @@ activekv::OptionValues activekv_options(const py::handle& vllm_config) {
   return out;
 }
 
+/// The check vLLM's configuration gets in the user's process (the patch calls it from the platform's
+/// check_and_update_config, which vLLM runs as it makes the configuration): the options in additional_config['activekv']
+/// against the model's geometry (the Builder's group as the model's configuration states it), so that a wrong option
+/// fails in LLM(...) or at `vllm serve`'s start with its own message, before any engine core loads the model. Nothing
+/// is built. Without options, or without a model or a block size yet, there is nothing of the user's to check here: the
+/// Builder checks everything again in the engine core. Start-up only.
+void check_config(const py::handle& vllm_config) {
+  const activekv::OptionValues options = activekv_options(vllm_config);
+  if (options.empty()) return;
+  py::object model_config = py::getattr(vllm_config, "model_config", py::none());
+  py::object cache_config = py::getattr(vllm_config, "cache_config", py::none());
+  if (model_config.is_none() || cache_config.is_none()) return;
+  py::object block_size = py::getattr(cache_config, "block_size", py::none());
+  if (block_size.is_none()) return;
+  py::object parallel = vllm_config.attr("parallel_config");
+  activekv::KvCacheGroup group;
+  // The model configuration's own accessors, as vLLM sizes each attention layer's KV-cache spec from them.
+  group.num_layers = cast_named<int64_t>(model_config.attr("get_num_layers_by_block_type")(parallel, "attention"),
+                                         "model_config.get_num_layers_by_block_type(parallel_config)", "an int");
+  group.num_heads = cast_named<int64_t>(model_config.attr("get_num_attention_heads")(parallel),
+                                        "model_config.get_num_attention_heads(parallel_config)", "an int");
+  group.num_kv_heads = cast_named<int64_t>(model_config.attr("get_num_kv_heads")(parallel),
+                                           "model_config.get_num_kv_heads(parallel_config)", "an int");
+  group.head_size =
+      cast_named<int64_t>(model_config.attr("get_head_size")(), "model_config.get_head_size()", "an int");
+  group.block_size = cast_named<int64_t>(block_size, "cache_config.block_size", "an int");
+  group.dtype = attr_as<at::ScalarType>(model_config, "model_config", "dtype", "a torch.dtype");
+  group.max_num_seqs = activekv::py_glue::int_attr_or(vllm_config, "scheduler_config", "max_num_seqs");
+  const std::string device = attr_as<std::string>(vllm_config.attr("device_config"), "device_config", "device_type",
+                                                  "a str");
+  TORCH_CHECK_VALUE(device == "cpu" || device == "cuda", "ActiveKV runs on the CPU or a CUDA device, got device_type '",
+                    device, "'");
+  group.device = at::Device(device == "cpu" ? at::kCPU : at::kCUDA);
+  activekv::check_backend_options(options, group);
+}
+
 /// The native Impl of each layer a builder serves, found as vLLM's own builders find their layers: vLLM's
 /// get_layers_from_vllm_config reads vllm_config.compilation_config.static_forward_context[name], and vLLM's CPU
 /// metadata builder reads each layer's impl there. The layer's impl is the patch's ActiveKVImpl, whose _native is the
@@ -326,6 +362,9 @@ PYBIND11_MODULE(_backend, m) {
   activekv::py_glue::register_series(m);
   activekv::py_glue::define_host_tier(m, &engines_awaiting_host_tier);  // backend_host_tier.cpp
   m.def("name", []() { return std::string("ACTIVEKV"); }, "The backend name vLLM selects.");
+  m.def("check_config", &check_config, py::arg("vllm_config"),
+        "Check additional_config['activekv'] against the model's geometry as vLLM makes its configuration (the "
+        "platform's check_and_update_config): ValueError / TypeError naming the option; builds nothing.");
   m.def("cpu_kernel_capability", &activekv::cpu_kernel_capability,
         "CPU capability of the fast kernel in use: 'avx512', 'avx2' or 'default' (ATEN_CPU_CAPABILITY caps it).");
   m.def("cpu_kernel_amx", &activekv::cpu_kernel_has_amx,

@@ -78,10 +78,7 @@ Placement parse_placement(const std::string& name) {
 
 const char* placement_name(Placement placement) { return placement == Placement::kInPlace ? "in_place" : "pool"; }
 
-namespace {
-
-// The placement's checks, before the KV state allocates a pool.
-const EngineConfig& checked_placement(const EngineConfig& c, at::Device device) {
+void check_engine_config(const EngineConfig& c, at::Device device) {
   if (c.placement == Placement::kInPlace) {
     AKV_CHECK_VALUE(device.is_cpu() || device.is_cuda(), "placement 'in_place' needs the CPU or a CUDA device (the "
                     "host tier and the attention on one memory), got device ", device, "; use placement 'pool'");
@@ -92,27 +89,34 @@ const EngineConfig& checked_placement(const EngineConfig& c, at::Device device) 
                     ") must be >= tile_blocks (", c.geometry.tile_blocks,
                     "): the pool must hold one whole tile to stream a context through it");
   }
+  if (c.mode != Mode::kCompressed) return;
+  const int64_t need = worst_case_union_blocks(c);
+  AKV_CHECK_VALUE(c.placement == Placement::kInPlace || c.pool_blocks >= need, "pool_blocks (", c.pool_blocks,
+                  ") must hold the worst-case union of one request row's selections: num_kv_heads * k + "
+                  "sink_blocks + recent_blocks = ", need, " blocks");
+  AKV_CHECK_VALUE(c.dense_layers >= 0 && c.dense_layers <= c.geometry.num_layers,
+                  "dense_layers must be in [0, num_layers = ", c.geometry.num_layers, "], got ", c.dense_layers);
+}
+
+namespace {
+
+// The configuration's checks, before the KV state allocates a pool.
+const EngineConfig& checked(const EngineConfig& c, at::Device device) {
+  check_engine_config(c, device);
   return c;
 }
 
 }  // namespace
 
 Engine::Engine(EngineConfig config, at::Device device)
-    : config_(checked_placement(config, with_index(device))),
+    : config_(checked(config, with_index(device))),
       device_(with_index(device)),
       kv_(config_.geometry, config_.pool_blocks, device_, config_.mode == Mode::kCompressed) {
   const auto& g = config_.geometry;
   if (config_.mode == Mode::kCompressed) {
-    const int64_t need = worst_case_union_blocks(config_);
-    AKV_CHECK_VALUE(in_place() || config_.pool_blocks >= need, "pool_blocks (", config_.pool_blocks,
-                    ") must hold the worst-case union of one request row's selections: num_kv_heads * k + "
-                    "sink_blocks + recent_blocks = ",
-                    need, " blocks");
     selection_.sink_blocks = config_.sink_blocks;
     selection_.recent_blocks = config_.recent_blocks;
     selection_.top_k = config_.budget_tokens / g.block_size - config_.sink_blocks - config_.recent_blocks;
-    AKV_CHECK_VALUE(config_.dense_layers >= 0 && config_.dense_layers <= g.num_layers,
-                    "dense_layers must be in [0, num_layers = ", g.num_layers, "], got ", config_.dense_layers);
   }
   telemetry_.set_info("num_layers", g.num_layers);
   telemetry_.set_info("pool_blocks", config_.pool_blocks);

@@ -147,6 +147,10 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
   return out;
 }
 
+void check_backend_options(const OptionValues& options, const KvCacheGroup& group) {
+  check_engine_config(backend_config(options, group).engine, group.device);
+}
+
 std::shared_ptr<Engine> make_backend_engine(const BackendConfig& config, const std::vector<std::string>& layer_names,
                                             at::Device device) {
   auto engine = std::make_shared<Engine>(config.engine, device);

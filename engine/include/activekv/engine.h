@@ -82,6 +82,11 @@ struct EngineConfig {
 /// num_kv_heads * k + sink_blocks + recent_blocks. @throws c10::ValueError if the budget leaves k < 1.
 int64_t worst_case_union_blocks(const EngineConfig& config);
 
+/// The Engine constructor's checks of `config` for an engine on `device` (its type is what counts), allocating
+/// nothing: a configuration can be checked before anything is built.
+/// @throws c10::ValueError as Engine's constructor.
+void check_engine_config(const EngineConfig& config, at::Device device);
+
 class ForwardPath;  // forward_path.h (private to the engine)
 
 /// The engine. build, update_kv and forward serialise on a per-engine mutex, so one engine may be driven from several

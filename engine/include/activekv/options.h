@@ -71,6 +71,12 @@ int64_t compressed_default_pool(int64_t union_blocks, int64_t max_num_seqs, int6
 /// @throws c10::ValueError / c10::TypeError; the same the Engine constructor throws for the settings it checks.
 BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& group);
 
+/// backend_config's checks and then the Engine constructor's (check_engine_config), building nothing: how the options
+/// are checked when vLLM makes its configuration, in the user's process, before any engine core starts. The group is
+/// what the model's configuration says (num_layers: its attention layers; num_gpu_blocks unknown, -1).
+/// @throws c10::ValueError / c10::TypeError as backend_config and Engine's constructor.
+void check_backend_options(const OptionValues& options, const KvCacheGroup& group);
+
 /// The engine of one metadata builder: constructed from `config` (which the constructor validates), its telemetry
 /// JSON path set and the group's layer names assigned to layer indices in order.
 /// @throws as Engine's constructor and Engine::set_layer_names.
