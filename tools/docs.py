@@ -85,6 +85,10 @@ NOT_KEPT = (
     "noise from DRAM (two threads, 8192 x 8).",
     "CPU kernel, decode: P x V of a head of four vectors (64 in float32) walked over the whole chunk in registers, as "
     "heads of one or two are: 5% slower at GQA 3 (1024 x 8, block 16).",
+    "CUDA, streamed exact decode inside vLLM: a tile's in-order run read by the gather kernel "
+    "(ACTIVEKV_DMA_MIN_BYTES=2^50) instead of the copy engines: 39.9 / 44.6 GB/s against 42.9 / 49.2 (32k context, "
+    "batch 1 / 8, H100, `make gpu-vllm-bench` with `--configs exact-streamed --contexts 32768`, the two arms one "
+    "after the other on one machine), though the engine-level benchmark had the gather kernel 2-3% ahead.",
 )
 
 
