@@ -58,6 +58,34 @@ def sdpa_rows(q: torch.Tensor, cache: torch.Tensor, table: list[int], seq_len: i
     return out.transpose(0, 1)
 
 
+def run_in_place_steps(options: dict, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Outputs of a prefill (70 + 20 tokens) and a decode step of two requests through one layer, seeded."""
+    torch.manual_seed(0)
+    impl = backend.Impl(H, D, D ** -0.5, KVH, None, None, "auto", None, "decoder", None)
+    b = backend.Builder(spec(dtype), LAYERS[:1], vllm_config(options, impls={LAYERS[0]: impl}), torch.device("cpu"))
+    cache, layer = torch.zeros(16, KVH, BS, 2 * D, dtype=dtype), SimpleNamespace(layer_name=LAYERS[0])
+    tables, outs = [[9, 2, 14, 5, 0], [7, 3, 0, 0, 0]], []
+    for qsl, seq_lens in (([0, 70, 90], [70, 20]), ([0, 1, 2], [71, 21])):
+        slots = [tables[r][p // BS] * BS + p % BS for r in range(2)
+                 for p in range(seq_lens[r] - (qsl[r + 1] - qsl[r]), seq_lens[r])]
+        cm = common_metadata(qsl, seq_lens, tables, slots)
+        plan, t = b.build(0, cm), qsl[-1]
+        q, k, v = torch.randn(t, H, D).to(dtype), torch.randn(t, KVH, D).to(dtype), torch.randn(t, KVH, D).to(dtype)
+        impl.do_kv_cache_update(layer, k, v, cache, cm.slot_mapping)
+        outs.append(impl.forward(layer, q, k, v, cache, plan, torch.empty(t, H, D, dtype=dtype)))
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tile_far_beyond_the_context_attends_as_one_that_covers_it(dtype: torch.dtype) -> None:
+    # A tile is one online-softmax merge; the kernel's scratch follows the blocks a call reads, not the tile's size
+    # (2^40 blocks of scratch per thread was std::bad_alloc on the first request).
+    huge = run_in_place_steps({"tile_blocks": 2 ** 40}, dtype)
+    covering = run_in_place_steps({"tile_blocks": 64}, dtype)
+    for a, b in zip(huge, covering, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.fixture()
 def builder() -> backend.Builder:
     return backend.Builder(spec(), LAYERS, vllm_config({"pool_blocks": 3, "tile_blocks": 2}), torch.device("cpu"))

@@ -266,7 +266,9 @@ bool use_amx(const AttendArgs& a) {
 }
 
 void attend_amx(const AttendArgs& a) {
-  const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
+  // Scratch for the call's blocks at most (a chunk spans no more), not for a tile of any size.
+  const int64_t bs = a.block_size, d = a.head_size;
+  const int64_t cmax = std::max<int64_t>(1, std::min(a.chunk_blocks, a.num_blocks));
   thread_local std::vector<float> s;
   thread_local std::vector<int64_t> valid;
   thread_local AmxScratch w;

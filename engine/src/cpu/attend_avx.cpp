@@ -377,7 +377,10 @@ void attend(const AttendArgs& a) {
 #if defined(CPU_CAPABILITY_AVX512)
   if (amx) return attend_amx(a);
 #endif
-  const int64_t bs = a.block_size, d = a.head_size, cmax = std::max<int64_t>(1, a.chunk_blocks);
+  // A chunk never spans more than the call's blocks: scratch for those, not for a tile of any size (the chunks are the
+  // same either way).
+  const int64_t bs = a.block_size, d = a.head_size;
+  const int64_t cmax = std::max<int64_t>(1, std::min(a.chunk_blocks, a.num_blocks));
   thread_local std::vector<float> s;
   thread_local std::vector<int64_t> valid;
   s.resize(kPackRowBlock * cmax * bs);
