@@ -182,11 +182,12 @@ BAD_OPTIONS = [
     ({"mode": "compressed", "sink_blocks": -1}, ValueError, r"sink_blocks.\] must be in \[0, 2\^40\], got -1"),
     ({"pool_blocks": 2, "tile_blocks": 4}, ValueError, r"pool_blocks \(2\) must be >= tile_blocks \(4\)"),
     ({"pool_blocks": "8"}, TypeError, "pool_blocks'\\] must be an int"),
-    ({"tile_blocks": 0}, ValueError, "tile_blocks'\\] must be >= 1"),
+    ({"tile_blocks": 0}, ValueError, r"tile_blocks'\] must be in \[1, 2\^40\], got 0"),
     ({"placement": "host"}, ValueError, "placement must be 'pool' or 'in_place', got 'host'"),
     ({"placement": "in_place", "pool_blocks": 8}, ValueError,
      r"\['placement'\] 'in_place' has no pool: drop additional_config\['activekv'\]\['pool_blocks'\]"),
-    ({"pool_blocks": 0}, ValueError, r"pool_blocks'\] must be >= 1, got 0"),
+    ({"pool_blocks": 0}, ValueError, r"pool_blocks'\] must be in \[1, 2\^40\], got 0"),
+    ({"pool_blocks": -1}, ValueError, r"pool_blocks'\] must be in \[1, 2\^40\], got -1"),
     ({"mode": "compressed", "dense_layers": -1}, ValueError, r"dense_layers'\] must be in \[0, 2\^40\], got -1"),
     ({"mode": "compressed", "dense_layers": 3}, ValueError,
      r"dense_layers'\] must be in \[0, 2\] \(the model's attention layers\), got 3"),
@@ -226,6 +227,29 @@ def test_check_config_defers_what_it_cannot_know_yet_to_the_builder() -> None:
     assert backend.check_config(no_model) is None
     with pytest.raises(ValueError, match=r"pool_blocks \(2\) must be >= tile_blocks \(4\)"):
         backend.Builder(spec(), LAYERS, no_block_size, torch.device("cpu"))
+
+
+def test_check_config_takes_the_kernel_block_size_vllm_will_choose() -> None:
+    odd = vllm_config({})
+    odd.cache_config.block_size = 8  # no kernel block size divides it: vLLM's engine core would fail to start
+    with pytest.raises(ValueError, match="take KV blocks of 16, 32, 64, 128 tokens: .* got 8"):
+        backend.check_config(odd)
+    # A cache block of 256 is split into kernel blocks of 128 (vLLM's select_common_block_size): the budget must cover
+    # sinks + recent + one block of 128 tokens (512), not of 256.
+    large = vllm_config({"mode": "compressed", "budget_tokens": 512})
+    large.cache_config.block_size = 256
+    assert backend.check_config(large) is None
+    large.additional_config["activekv"]["budget_tokens"] = 511
+    with pytest.raises(ValueError, match=r"budget_tokens \(511\) must cover .* = 512 tokens at block_size 128"):
+        backend.check_config(large)
+
+
+def test_check_config_refuses_pools_beyond_the_machines_memory() -> None:
+    # The Builder would only find it by failing to allocate them in the engine core, after the model has loaded.
+    with pytest.raises(ValueError, match=r"pool_blocks'\] = 1099511627776 needs .* GiB of pools \(2 layers, 8192 "
+                                         r"bytes per block\), more than this machine's memory"):
+        backend.check_config(vllm_config({"pool_blocks": 2 ** 40}))
+    assert backend.check_config(vllm_config({"pool_blocks": 4096})) is None  # 64 MiB
 
 
 def test_check_config_names_what_it_reads_wrongly() -> None:
@@ -551,7 +575,7 @@ def test_duplicate_slots_are_rejected() -> None:
 
 @pytest.mark.parametrize(("options", "exc", "match"), [
     ({"pool_blocks": 10 ** 12}, ValueError, "pool_blocks = 1000000000000 .* could not be allocated"),
-    ({"pool_blocks": 2 ** 70}, ValueError, r"pool_blocks'\] must be in \[0, 2\^40\]"),
+    ({"pool_blocks": 2 ** 70}, ValueError, r"pool_blocks'\] must be in \[1, 2\^40\]"),
     ({"mode": None}, TypeError, r"mode'\] must be a str, got None"),
     ({"kernel": 3}, TypeError, r"kernel'\] must be a str"),
 ])

@@ -278,6 +278,17 @@ def test_bad_options_fail_as_vllm_makes_its_configuration(tiny_model: str, optio
     assert EngineArgs(model=tiny_model, **good).create_engine_config().additional_config == {"activekv": EXACT}
 
 
+def test_a_block_size_no_kernel_takes_fails_as_vllm_makes_its_configuration(tiny_model: str) -> None:
+    available, why = activekv_status()
+    if not available:
+        pytest.skip(why)
+    from vllm.engine.arg_utils import EngineArgs
+
+    kwargs = EngineConfig(tiny_model, backend=ACTIVEKV, block_size=8).llm_kwargs()
+    with pytest.raises(ValueError, match="take KV blocks of 16, 32, 64, 128 tokens: .* got 8"):
+        EngineArgs(model=tiny_model, **kwargs).create_engine_config()
+
+
 def test_tiny_model_is_deterministic(tmp_path: Path, tiny_model: str) -> None:
     again = make_tiny_model(tmp_path / "again")
     for name in ("config.json", "model.safetensors"):

@@ -169,8 +169,9 @@ const char* const kOptionsHelp =
     "  recent_blocks    compressed: last blocks always attended (default 2)\n"
     "  dense_layers     compressed: the first layers attend every block, as exact mode (default 0)\n"
     "  telemetry_json   a file path: the telemetry snapshot is written there as JSON at shutdown\n"
-    "vLLM's own --block-size (Python: LLM(..., block_size=N)) must be 16, 32, 64 or 128 with ActiveKV (vLLM's\n"
-    "default on the CPU: 128; exact mode decodes faster at 128 than at 16).\n";
+    "vLLM's own --block-size (Python: LLM(..., block_size=N)) must be 16, 32, 64 or 128 with ActiveKV, or a\n"
+    "multiple of one (vLLM splits each block into kernel blocks of the largest that divides it; its default on the\n"
+    "CPU: 128; exact mode decodes faster at 128 than at 16).\n";
 
 const char* const kEnvironmentHelp =
     "environment:\n"

@@ -137,17 +137,21 @@ activekv::OptionValues activekv_options(const py::handle& vllm_config) {
 /// The check vLLM's configuration gets in the user's process (the patch calls it from the platform's
 /// check_and_update_config, which vLLM runs as it makes the configuration): the options in additional_config['activekv']
 /// against the model's geometry (the Builder's group as the model's configuration states it), so that a wrong option
-/// fails in LLM(...) or at `vllm serve`'s start with its own message, before any engine core loads the model. Nothing
-/// is built. Without options, or without a model or a block size yet, there is nothing of the user's to check here: the
-/// Builder checks everything again in the engine core. Start-up only.
+/// fails in LLM(...) or at `vllm serve`'s start with its own message, before any engine core loads the model; and the
+/// KV cache's block size against the kernels' (kernel_block_size, options.h). Nothing is built. Without a model or a
+/// block size yet, or (for the options) without options, there is nothing of the user's to check here: the Builder
+/// checks everything again in the engine core. Start-up only.
 void check_config(const py::handle& vllm_config) {
   const activekv::OptionValues options = activekv_options(vllm_config);
-  if (options.empty()) return;
   py::object model_config = py::getattr(vllm_config, "model_config", py::none());
   py::object cache_config = py::getattr(vllm_config, "cache_config", py::none());
   if (model_config.is_none() || cache_config.is_none()) return;
   py::object block_size = py::getattr(cache_config, "block_size", py::none());
   if (block_size.is_none()) return;
+  // The kernels' block size, as vLLM will choose it for this cache: a block size no kernel takes fails here too.
+  const int64_t kernel_block =
+      activekv::kernel_block_size(cast_named<int64_t>(block_size, "cache_config.block_size", "an int"));
+  if (options.empty()) return;
   py::object parallel = vllm_config.attr("parallel_config");
   activekv::KvCacheGroup group;
   // The model configuration's own accessors, as vLLM sizes each attention layer's KV-cache spec from them.
@@ -159,7 +163,7 @@ void check_config(const py::handle& vllm_config) {
                                            "model_config.get_num_kv_heads(parallel_config)", "an int");
   group.head_size =
       cast_named<int64_t>(model_config.attr("get_head_size")(), "model_config.get_head_size()", "an int");
-  group.block_size = cast_named<int64_t>(block_size, "cache_config.block_size", "an int");
+  group.block_size = kernel_block;
   group.dtype = attr_as<at::ScalarType>(model_config, "model_config", "dtype", "a torch.dtype");
   group.max_num_seqs = activekv::py_glue::int_attr_or(vllm_config, "scheduler_config", "max_num_seqs");
   const std::string device = attr_as<std::string>(vllm_config.attr("device_config"), "device_config", "device_type",

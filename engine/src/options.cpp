@@ -1,6 +1,7 @@
 // The vLLM backend's options (options.h): defaults, the checks of each value in the order a start-up meets them, the
 // compressed-mode default pool, and the engine of one metadata builder.
 #include <activekv/check.h>
+#include <activekv/geometry.h>
 #include <activekv/options.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,17 +28,17 @@ constexpr OptionSpec kOptions[] = {
 
 std::string option_label(const std::string& name) { return "additional_config['activekv']['" + name + "']"; }
 
-// An int option in [0, 2^40], or `dflt` where it is absent. The text is the Python int's decimal digits, so the
+// An int option in [lo, 2^40], or `dflt` where it is absent. The text is the Python int's decimal digits, so the
 // message shows what the user wrote, however large.
-int64_t option_int(const OptionValues& options, const std::string& name, int64_t dflt) {
+int64_t option_int(const OptionValues& options, const std::string& name, int64_t dflt, int64_t lo = 0) {
   const auto it = options.find(name);
   if (it == options.end()) return dflt;
   const std::string& text = it->second;
   int64_t x = -1;
   const auto [end, err] = std::from_chars(text.data(), text.data() + text.size(), x);
   const bool parsed = err == std::errc() && end == text.data() + text.size();
-  AKV_CHECK_VALUE(parsed && x >= 0 && x <= (int64_t{1} << 40), option_label(name), " must be in [0, 2^40], got ",
-                  text);
+  AKV_CHECK_VALUE(parsed && x >= lo && x <= (int64_t{1} << 40), option_label(name), " must be in [", lo,
+                  ", 2^40], got ", text);
   return x;
 }
 
@@ -102,15 +103,13 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
     AKV_CHECK_VALUE(group.device.is_cpu() || group.device.is_cuda(), option_label("placement"),
                     " 'in_place' needs the CPU or a CUDA device, got device ", group.device, "; set placement 'pool'");
   }
-  const int64_t pool_blocks = option_int(options, "pool_blocks", -1);  // -1: not given
-  AKV_CHECK_VALUE(!pool_given || pool_blocks >= 1, option_label("pool_blocks"), " must be >= 1, got ", pool_blocks);
+  const int64_t pool_blocks = option_int(options, "pool_blocks", -1, 1);  // -1: not given
   // A pool smaller than the default tile, with no tile given, takes tiles of the pool's size; in place on the CPU,
   // tiles of kCpuInPlaceTileTokens (block 16: prefill chunks of 512 keys instead of 256, fewer merges per decode row).
   int64_t default_tile = pool_given ? std::min(kDefaultTileBlocks, pool_blocks) : kDefaultTileBlocks;
   if (cfg.placement == Placement::kInPlace && group.device.is_cpu() && group.block_size > 0)
     default_tile = std::max(default_tile, kCpuInPlaceTileTokens / group.block_size);
-  const int64_t tile_blocks = option_int(options, "tile_blocks", default_tile);
-  AKV_CHECK_VALUE(tile_blocks >= 1, option_label("tile_blocks"), " must be >= 1, got ", tile_blocks);
+  const int64_t tile_blocks = option_int(options, "tile_blocks", default_tile, 1);
   // Name where an impossible geometry came from: the model's KV-cache spec, not an argument the user typed.
   const auto from = c10::str("kv_cache_spec (block_size ", group.block_size, ", num_kv_heads ", group.num_kv_heads,
                              ", head_size ", group.head_size, ", dtype ", group.dtype, ") with num_heads ",
@@ -147,8 +146,31 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
   return out;
 }
 
+int64_t kernel_block_size(int64_t cache_block_size) {
+  const auto sizes = supported_block_sizes();
+  for (auto it = sizes.rbegin(); it != sizes.rend(); ++it)
+    if (cache_block_size == *it) return *it;
+  for (auto it = sizes.rbegin(); it != sizes.rend(); ++it)
+    if (cache_block_size > 0 && cache_block_size % *it == 0) return *it;
+  std::string list;
+  for (const auto b : sizes) list += (list.empty() ? "" : ", ") + std::to_string(b);
+  AKV_CHECK_VALUE(false, "ActiveKV's kernels take KV blocks of ", list, " tokens: the KV cache's block_size must be "
+                  "one of them or a multiple of one, got ", cache_block_size);
+  return 0;
+}
+
 void check_backend_options(const OptionValues& options, const KvCacheGroup& group) {
-  check_engine_config(backend_config(options, group).engine, group.device);
+  const EngineConfig cfg = backend_config(options, group).engine;
+  check_engine_config(cfg, group.device);
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (!group.device.is_cpu() || cfg.pool_blocks == 0 || pages <= 0 || page <= 0) return;
+  const auto gib = [](long double bytes) { return static_cast<double>(bytes / (1024.0L * 1024.0L * 1024.0L)); };
+  const long double need = static_cast<long double>(cfg.pool_blocks) * cfg.geometry.bytes_per_block() *
+                           cfg.geometry.num_layers;
+  const long double have = static_cast<long double>(pages) * page;
+  AKV_CHECK_VALUE(need <= have, option_label("pool_blocks"), " = ", cfg.pool_blocks, " needs ", gib(need),
+                  " GiB of pools (", cfg.geometry.num_layers, " layers, ", cfg.geometry.bytes_per_block(),
+                  " bytes per block), more than this machine's memory (", gib(have), " GiB)");
 }
 
 std::shared_ptr<Engine> make_backend_engine(const BackendConfig& config, const std::vector<std::string>& layer_names,

@@ -71,7 +71,15 @@ int64_t compressed_default_pool(int64_t union_blocks, int64_t max_num_seqs, int6
 /// @throws c10::ValueError / c10::TypeError; the same the Engine constructor throws for the settings it checks.
 BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& group);
 
-/// backend_config's checks and then the Engine constructor's (check_engine_config), building nothing: how the options
+/// The block size of ActiveKV's kernels for vLLM's KV-cache block size, chosen as vLLM chooses it
+/// (vllm/v1/worker/utils.py select_common_block_size): the cache's block size where ActiveKV supports it, else the
+/// largest supported size that divides it (vLLM then splits each cache block into kernel blocks).
+/// @throws c10::ValueError naming the supported sizes where none divides it.
+int64_t kernel_block_size(int64_t cache_block_size);
+
+/// backend_config's checks and then the Engine constructor's (check_engine_config), building nothing; on the CPU also
+/// that the pools (pool_blocks per layer) fit in the machine's memory, which the engine core would only find by
+/// failing to allocate them after the model has loaded: how the options
 /// are checked when vLLM makes its configuration, in the user's process, before any engine core starts. The group is
 /// what the model's configuration says (num_layers: its attention layers; num_gpu_blocks unknown, -1).
 /// @throws c10::ValueError / c10::TypeError as backend_config and Engine's constructor.
