@@ -181,6 +181,10 @@ SPEC = SimpleNamespace(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.
         (3, TypeError, r"telemetry_json'\] must be a str, got 3"),
         ("", ValueError, r"telemetry_json'\] must be a file path"),
         ("/nonexistent-dir/t.json", ValueError, r"directory '/nonexistent-dir' must exist and be writable"),
+        # /proc takes no new file, though access() calls it writable for root: the shutdown write failed there.
+        ("/proc/activekv-t.json", ValueError,
+         r"(cannot create a file beside '/proc/activekv-t\.json' \(.*\); the snapshot is written there at shutdown"
+         r"|directory '/proc' must exist and be writable)"),
         # A NUL ends the path the C library sees: '/tmp/run' would have been checked and written instead.
         ("/tmp/run\0.json", ValueError,
          r"telemetry_json'\] must be a file path without NUL characters, got '/tmp/run\\x00\.json'"),

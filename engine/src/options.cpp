@@ -3,11 +3,14 @@
 #include <activekv/check.h>
 #include <activekv/geometry.h>
 #include <activekv/options.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <charconv>
+#include <cerrno>
+#include <cstring>
 #include <limits>
 
 namespace activekv {
@@ -56,6 +59,17 @@ void check_telemetry_json(const std::string& path) {
   AKV_CHECK_VALUE(::stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode) && ::access(dir.c_str(), W_OK) == 0,
                   "additional_config['activekv']['telemetry_json']: directory '", dir,
                   "' must exist and be writable, got '", path, "'");
+  // The write at shutdown goes through a new file beside the path (telemetry_json.cpp): make one now and remove it,
+  // so a folder that access() calls writable but takes no new file (/proc, a read-only mount as root) fails here.
+  std::string probe = path + ".tmp.XXXXXX";
+  const int fd = ::mkostemp(probe.data(), O_CLOEXEC);
+  const int err = fd < 0 ? errno : 0;
+  if (fd >= 0) {
+    ::close(fd);
+    ::unlink(probe.c_str());
+  }
+  AKV_CHECK_VALUE(fd >= 0, label, ": cannot create a file beside '", path, "' (", std::strerror(err),
+                  "); the snapshot is written there at shutdown");
 }
 
 }  // namespace
