@@ -161,11 +161,12 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
 }
 
 int64_t kernel_block_size(int64_t cache_block_size) {
+  // The largest supported size dividing it: the cache's own where supported (no larger size divides it).
   const auto sizes = supported_block_sizes();
-  for (auto it = sizes.rbegin(); it != sizes.rend(); ++it)
-    if (cache_block_size == *it) return *it;
-  for (auto it = sizes.rbegin(); it != sizes.rend(); ++it)
-    if (cache_block_size > 0 && cache_block_size % *it == 0) return *it;
+  int64_t best = 0;
+  for (const auto b : sizes)
+    if (cache_block_size > 0 && cache_block_size % b == 0) best = std::max(best, b);
+  if (best > 0) return best;
   std::string list;
   for (const auto b : sizes) list += (list.empty() ? "" : ", ") + std::to_string(b);
   AKV_CHECK_VALUE(false, "ActiveKV's kernels take KV blocks of ", list, " tokens: the KV cache's block_size must be "

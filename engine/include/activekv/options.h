@@ -77,11 +77,11 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
 /// @throws c10::ValueError naming the supported sizes where none divides it.
 int64_t kernel_block_size(int64_t cache_block_size);
 
-/// backend_config's checks and then the Engine constructor's (check_engine_config), building nothing; on the CPU also
-/// that the pools (pool_blocks per layer) fit in the machine's memory, which the engine core would only find by
-/// failing to allocate them after the model has loaded: how the options
-/// are checked when vLLM makes its configuration, in the user's process, before any engine core starts. The group is
-/// what the model's configuration says (num_layers: its attention layers; num_gpu_blocks unknown, -1).
+/// How the options are checked when vLLM makes its configuration, in the user's process, before any engine core
+/// starts: backend_config's checks and then the Engine constructor's (check_engine_config), building nothing; on the
+/// CPU also that the pools (pool_blocks per layer) fit in the machine's memory, which the engine core would only find
+/// by failing to allocate them after the model has loaded. The group is what the model's configuration says
+/// (num_layers: its attention layers; num_gpu_blocks unknown, -1).
 /// @throws c10::ValueError / c10::TypeError as backend_config and Engine's constructor.
 void check_backend_options(const OptionValues& options, const KvCacheGroup& group);
 
