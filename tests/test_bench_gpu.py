@@ -54,6 +54,57 @@ def test_breakdown_configurations_parse_with_tokens_or_k_and_optional_queries() 
             bench_gpu.parse_breakdown(bad)
 
 
+def test_streamed_breakdown_configurations_parse_with_an_optional_tile() -> None:
+    assert bench_gpu.parse_streamed("1x128k") == (1, 131072, 256)
+    assert bench_gpu.parse_streamed("16X32768:128") == (16, 32768, 128)
+    assert [bench_gpu.parse_streamed(s) for s in bench_gpu.STREAMED_BREAKDOWN_DEFAULT] == [
+        (1, 131072, 256), (1, 32768, 128), (16, 131072, 256)]
+    for bad in ("1", "1x", "x32k", "1x32k:", "1x32k:0", "0x32k", "1x100", "1x32k:big"):
+        with pytest.raises(argparse.ArgumentTypeError, match="got"):
+            bench_gpu.parse_streamed(bad)
+
+
+def copy_event(ts: float, dur: float, corr: int, nbytes: int = 16 << 20) -> dict:
+    return {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": ts, "dur": dur,
+            "args": {"bytes": nbytes, "correlation": corr}}
+
+
+def runtime_event(name: str, ts: float, dur: float, corr: int) -> dict:
+    return {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+
+def test_trace_stats_times_the_copy_engine_and_blames_gaps_on_a_late_host() -> None:
+    # Two steps: three tile copies of 16 MiB (300 us each) and one small index copy (ignored). Copy 2 was enqueued
+    # while copy 1 ran (a device-side gap of 20 us); copy 3's call began after copy 2 had ended (host-late, 50 us).
+    events = [copy_event(0, 300, 1), runtime_event("cudaMemcpyAsync", -10, 5, 1),
+              copy_event(320, 300, 2), runtime_event("cudaMemcpyAsync", 100, 5, 2),
+              copy_event(670, 300, 3), runtime_event("cudaMemcpyAsync", 640, 25, 3),
+              copy_event(980, 2, 4, nbytes=4096), runtime_event("cudaMemcpyAsync", 700, 5, 4),
+              {"cat": "kernel", "name": "attend", "ts": 630, "dur": 40, "args": {}},
+              runtime_event("cudaLaunchKernel", 600, 8, 5)]
+    st = bench_gpu.trace_stats(events, steps=2)
+    assert st["copies_per_step"] == 1.5 and st["copy_bytes_per_step"] == 1.5 * (16 << 20)
+    assert st["copy_busy_ms_per_step"] == pytest.approx(0.45)
+    assert st["copy_engine_GBps"] == pytest.approx(3 * (16 << 20) / 900 / 1e3)
+    assert st["copy_span_ms_per_step"] == pytest.approx(0.485)
+    assert st["gaps"] == 2 and st["gap_ms_per_step"] == pytest.approx(0.035)
+    assert st["gap_median_us"] == pytest.approx(35) and st["gap_p90_us"] == pytest.approx(20)
+    assert st["gaps_host_late"] == 1 and st["host_late_ms_per_step"] == pytest.approx(0.025)
+    assert st["kernel_ms_per_step"] == pytest.approx(0.02)
+    top = st["runtime_calls"][0]
+    assert top == {"name": "cudaMemcpyAsync", "calls_per_step": 2, "ms_per_step": pytest.approx(0.02), "max_us": 25}
+    assert [c["name"] for c in st["runtime_calls"]] == ["cudaMemcpyAsync", "cudaLaunchKernel"]
+
+
+def test_trace_stats_of_a_trace_without_copies_reports_none_rather_than_dividing_by_zero() -> None:
+    st = bench_gpu.trace_stats([runtime_event("cudaLaunchKernel", 0, 8, 1)], steps=1)
+    assert st["copies_per_step"] == 0 and st["copy_engine_GBps"] is None and st["gap_median_us"] is None
+    row = {"batch": 1, "context": 131072, "tile_blocks": 256, "ms": 12.0, "kv_GBps": 44.7, **st}
+    lines = bench_gpu.streamed_breakdown_table({"streamed_breakdown": [row]})
+    assert len(lines) == 3 and lines[2].startswith("| 1 | 128k | 256 | 12.00 | 44.7 | 0 | 0.00 | - |")
+    assert lines[2].endswith("| cudaLaunchKernel 0.01 ms (1) |")
+
+
 # The keys of a compressed row that data written before the timed-step counters lacks.
 OLD_ROW_KEYS = ("batch", "context", "kernel", "ms", "union_blocks_per_row", "admitted_per_step")
 
@@ -191,10 +242,12 @@ def test_cli_help_works_without_a_gpu_and_names_the_new_options() -> None:
     proc = run_cli("--help")
     assert proc.returncode == 0, proc.stderr
     assert "--compressed-breakdown" in proc.stdout and "--drift" in proc.stdout
+    assert "--streamed-breakdown" in proc.stdout
 
 
 @pytest.mark.parametrize(("args", "message"), [(("--drift", "1.0"), "--drift must be in [0, 1)"),
-                                               (("--compressed-breakdown", "16x32k:walk"), "expected a batch")])
+                                               (("--compressed-breakdown", "16x32k:walk"), "expected a batch"),
+                                               (("--streamed-breakdown", "1x32k:0"), "expected BATCHxCONTEXT")])
 def test_cli_refuses_bad_arguments_before_touching_the_device(args: tuple[str, ...], message: str) -> None:
     proc = run_cli(*args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -554,6 +554,129 @@ def compressed_breakdown(batch: int, ctx: int, queries: str, out: Path, calls: i
     return summary
 
 
+STREAMED_BREAKDOWN_DEFAULT = ("1x128k:256", "1x32k:128", "16x128k:256")
+
+
+def parse_streamed(spec: str) -> tuple[int, int, int]:
+    """'BATCHxCONTEXT[:TILE]' (context in tokens or with a k suffix, tile in blocks, default 256) -> (batch, context,
+    tile); e.g. '1x128k:256', '1x32k:128'."""
+    msg = f"expected BATCHxCONTEXT[:TILE] such as 1x128k:256, got {spec!r}"
+    head, sep, tile = spec.lower().partition(":")
+    b, _, c = head.partition("x")
+    try:
+        batch = int(b)
+        ctx = int(c[:-1]) * 1024 if c.endswith("k") else int(c)
+        tile_blocks = int(tile) if sep else 256
+    except ValueError:
+        raise argparse.ArgumentTypeError(msg) from None
+    if batch < 1 or ctx < BS or ctx % BS or tile_blocks < 1:
+        raise argparse.ArgumentTypeError(msg)
+    return batch, ctx, tile_blocks
+
+
+def trace_stats(events: list[dict], steps: int, big_bytes: int = 1 << 20) -> dict:
+    """Per step, from a Chrome trace's events (torch.profiler's export): the host-to-device copies of at least
+    `big_bytes` (the tiles' reads), the time the copy engine spent on them, the gaps between consecutive ones and how
+    many of those gaps the host caused (the copy's enqueueing call began after the previous copy had ended), the
+    kernels' device time, and the host's CUDA runtime calls by total time."""
+    copies = sorted((e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")
+                     and e.get("args", {}).get("bytes", 0) >= big_bytes), key=lambda e: e["ts"])
+    runtime = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime"
+               and "correlation" in e.get("args", {})}
+    gaps, host_late, host_late_us = [], 0, 0.0
+    for prev, cur in zip(copies, copies[1:]):
+        gap = cur["ts"] - (prev["ts"] + prev["dur"])
+        gaps.append(max(0.0, gap))
+        call = runtime.get(cur.get("args", {}).get("correlation"))
+        if gap > 0 and call is not None and call["ts"] > prev["ts"] + prev["dur"]:
+            host_late += 1
+            host_late_us += gap
+    busy = sum(e["dur"] for e in copies)
+    nbytes = sum(e["args"]["bytes"] for e in copies)
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    calls: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime":
+            calls.setdefault(e["name"], []).append(e["dur"])
+    top = sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:6]
+    span = (copies[-1]["ts"] + copies[-1]["dur"] - copies[0]["ts"]) if copies else 0.0
+    ordered = sorted(gaps)
+    return {"copies_per_step": len(copies) / steps, "copy_bytes_per_step": nbytes / steps,
+            "copy_busy_ms_per_step": busy / 1e3 / steps,
+            "copy_engine_GBps": nbytes / busy / 1e3 if busy else None,
+            "copy_span_ms_per_step": span / 1e3 / steps,
+            "gap_ms_per_step": sum(gaps) / 1e3 / steps,
+            "gap_median_us": statistics.median(gaps) if gaps else None,
+            "gap_p90_us": ordered[int(0.9 * (len(ordered) - 1))] if gaps else None,
+            "gaps_host_late": host_late, "gaps": len(gaps), "host_late_ms_per_step": host_late_us / 1e3 / steps,
+            "kernel_ms_per_step": sum(e["dur"] for e in kernels) / 1e3 / steps,
+            "runtime_calls": [{"name": n, "calls_per_step": len(d) / steps, "ms_per_step": sum(d) / 1e3 / steps,
+                               "max_us": max(d)} for n, d in top]}
+
+
+def streamed_breakdown(batch: int, ctx: int, tile_blocks: int, out: Path, pool_tokens: int = 16384,
+                       calls: int = 4) -> dict:
+    """Streamed exact decode (mapped transfer, its own read, CUDA kernel) profiled by torch.profiler over `calls`
+    forwards after warm-up: where the copy engine waits (trace_stats), beside the unprofiled step time. The trace is
+    written gzipped under `out`."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = make_engine(pool_tokens // BS, tile_blocks)
+    kv = fill_host(batch, ctx, pinned=True)
+    plan = decode_plan(eng, batch, ctx)
+    q = torch.randn(batch, H, D, dtype=DT, device="cuda")
+    out_t = torch.empty_like(q)
+
+    def step():
+        eng.forward(0, plan, q, kv, out_t, D ** -0.5)
+
+    ms = event_ms(step, calls=calls, reps=3, warmup=2)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    name = f"streamed_trace_b{batch}_{ctx // 1024}k_t{tile_blocks}.json"
+    path = out / name
+    prof.export_chrome_trace(str(path))
+    trace = json.loads(path.read_text())
+    with gzip.open(str(path) + ".gz", "wt") as f:
+        json.dump(trace, f)
+    path.unlink()
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    st = trace_stats(events, calls)
+    kv_bytes = batch * ctx * TOKEN_BYTES
+    r = {"batch": batch, "context": ctx, "tile_blocks": tile_blocks, "pool_tokens": pool_tokens, "ms": ms,
+         "kv_GBps": kv_bytes / ms / 1e6, "file": name + ".gz", **st}
+    print(f"streamed b{batch} {ctx // 1024}k tile {tile_blocks}: {ms:.2f} ms/step ({r['kv_GBps']:.1f} GB/s); "
+          f"profiled per step: {st['copies_per_step']:.0f} copies of >= 1 MiB, busy {st['copy_busy_ms_per_step']:.2f}"
+          f" ms at {st['copy_engine_GBps'] or 0:.1f} GB/s, gaps {st['gap_ms_per_step']:.2f} ms (median "
+          f"{st['gap_median_us'] or 0:.0f} us, p90 {st['gap_p90_us'] or 0:.0f}; {st['gaps_host_late']} of "
+          f"{st['gaps']} host-late, {st['host_late_ms_per_step']:.2f} ms), kernels {st['kernel_ms_per_step']:.2f} ms",
+          flush=True)
+    for c in st["runtime_calls"]:
+        print(f"  {c['name']}: {c['calls_per_step']:.0f} calls {c['ms_per_step']:.2f} ms/step, max {c['max_us']:.0f} us")
+    return r
+
+
+def streamed_breakdown_table(res: dict) -> list[str]:
+    """One row per profiled streamed configuration (--streamed-breakdown)."""
+    lines = ["| batch | context | tile blocks | ms/step | KV GB/s | copies/step | copy engine busy ms | its GB/s | "
+             "gaps ms/step | median gap us | host-late gaps | their ms/step | kernels ms/step | largest host call |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res.get("streamed_breakdown", []):
+        top = r["runtime_calls"][0] if r.get("runtime_calls") else None
+        largest = "-" if top is None else f"{top['name']} {top['ms_per_step']:.2f} ms ({top['calls_per_step']:.0f})"
+        rate = "-" if r.get("copy_engine_GBps") is None else f"{r['copy_engine_GBps']:.1f}"
+        med = "-" if r.get("gap_median_us") is None else f"{r['gap_median_us']:.0f}"
+        lines.append(f"| {r['batch']} | {r['context'] // 1024}k | {r['tile_blocks']} | {r['ms']:.2f} | "
+                     f"{r['kv_GBps']:.1f} | {r['copies_per_step']:.0f} | {r['copy_busy_ms_per_step']:.2f} | {rate} | "
+                     f"{r['gap_ms_per_step']:.2f} | {med} | {r['gaps_host_late']} of {r['gaps']} | "
+                     f"{r['host_late_ms_per_step']:.2f} | {r['kernel_ms_per_step']:.2f} | {largest} |")
+    return lines
+
+
 def ceilings_table(res: dict) -> list[str]:
     c = res["ceilings"]
     return ["| pinned H2D GB/s | pinned D2H GB/s | D2D GB/s (read+write) |", "|---|---|---|",
@@ -775,9 +898,15 @@ def main() -> None:
                     help="profile compressed decode (torch.profiler, CPU and CUDA) at these configurations (default "
                          + " and ".join(BREAKDOWN_DEFAULT) + ", random queries); print and write the top host and "
                          "device costs under --out")
+    ap.add_argument("--streamed-breakdown", nargs="*", type=parse_streamed, metavar="BATCHxCONTEXT[:TILE]",
+                    help="profile streamed exact decode (pool 16k tokens) at these configurations (default "
+                         + " ".join(STREAMED_BREAKDOWN_DEFAULT) + "): the copy engine's busy time and gaps, the "
+                         "host's CUDA calls; the traces are written gzipped under --out")
     args = ap.parse_args()
     if args.compressed_breakdown == []:
         args.compressed_breakdown = [parse_breakdown(b) for b in BREAKDOWN_DEFAULT]
+    if args.streamed_breakdown == []:
+        args.streamed_breakdown = [parse_streamed(b) for b in STREAMED_BREAKDOWN_DEFAULT]
     if not 0.0 <= args.drift < 1.0:
         ap.error(f"--drift must be in [0, 1), got {args.drift}")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -867,6 +996,14 @@ def main() -> None:
             save()
             torch.cuda.empty_cache()
         print("\n".join(breakdown_table(res)) + "\n", flush=True)
+    if args.streamed_breakdown:
+        print("## streamed exact decode breakdown (torch.profiler)\n")
+        res["streamed_breakdown"] = []
+        for b, c, t in args.streamed_breakdown:
+            res["streamed_breakdown"].append(streamed_breakdown(b, c, t, args.out))
+            save()
+            torch.cuda.empty_cache()
+        print("\n".join(streamed_breakdown_table(res)) + "\n", flush=True)
     save()
     if want == set(SECTIONS):
         plot(res, args.out / "gpu_decode.png")
