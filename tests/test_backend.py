@@ -192,6 +192,13 @@ BAD_OPTIONS = [
     ({"mode": "compressed", "dense_layers": 3}, ValueError,
      r"dense_layers'\] must be in \[0, 2\] \(the model's attention layers\), got 3"),
     ({"mode": "compressed", "dense_layers": 1.5}, TypeError, "dense_layers'\\] must be an int"),
+    # Options only compressed mode reads, given without it (mode absent or exact): refused, not ignored.
+    ({"budget_tokens": 512}, ValueError, r"\['budget_tokens'\] applies to mode 'compressed' only, got it with mode "
+     r"'exact': set additional_config\['activekv'\]\['mode'\] to 'compressed' or drop it"),
+    ({"mode": "exact", "sink_blocks": 1}, ValueError, r"\['sink_blocks'\] applies to mode 'compressed' only"),
+    ({"mode": "exact", "recent_blocks": 2, "pool_blocks": 64}, ValueError,
+     r"\['recent_blocks'\] applies to mode 'compressed' only"),
+    ({"dense_layers": 0}, ValueError, r"\['dense_layers'\] applies to mode 'compressed' only"),
 ]
 
 
@@ -715,6 +722,20 @@ def test_activekv_options_in_a_mapping_that_is_no_dict_are_refused() -> None:
     other = backend.Builder(spec(), LAYERS, vllm_config(extra=MappingProxyType({"someone_else": 1})),
                             torch.device("cpu"))  # a mapping without ActiveKV options belongs to someone else
     assert (other.engine.placement, other.engine.pool_blocks) == ("in_place", 0)
+
+
+@pytest.mark.parametrize("key", ["ActiveKV", "ACTIVEKV", "activeKV"])
+def test_options_under_a_mis_cased_key_are_refused_not_ignored(key: str) -> None:
+    """{"ActiveKV": {...}} was never read: the engine ran with default options and said nothing."""
+    extra = {key: {"mode": "compressed"}, "someone_else": {"x": 1}, 3: "a non-str key"}
+    msg = rf"additional_config\['{key}'\] is not read: ActiveKV's options go under the lower-case key 'activekv'"
+    with pytest.raises(ValueError, match=msg):
+        backend.Builder(spec(), LAYERS, vllm_config(extra=extra), torch.device("cpu"))
+    with pytest.raises(ValueError, match=msg):
+        backend.check_config(vllm_config(extra=extra))
+    extra = {"activekv": {"pool_blocks": 32}, "someone_else": {"x": 1}, 3: "a non-str key"}
+    b = backend.Builder(spec(), LAYERS, vllm_config(extra=extra), torch.device("cpu"))
+    assert (b.engine.placement, b.engine.pool_blocks) == ("pool", 32)
 
 
 def test_a_nan_in_a_later_tokens_value_stays_out_of_earlier_rows_on_every_kernel() -> None:

@@ -261,6 +261,7 @@ def test_activekv_rejects_unknown_option_at_startup(tiny_model: str, cpu_attn_ru
      r"budget_tokens \(32\) must cover sink_blocks \+ recent_blocks \+ one block = 64 tokens at block_size 16"),
     ({"mode": "compressed", "dense_layers": NUM_LAYERS + 1}, ValueError,
      rf"dense_layers'\] must be in \[0, {NUM_LAYERS}\] \(the model's attention layers\)"),
+    ({"budget_tokens": 512}, ValueError, r"\['budget_tokens'\] applies to mode 'compressed' only, got it with mode 'exact'"),
 ])
 def test_bad_options_fail_as_vllm_makes_its_configuration(tiny_model: str, options: dict, exc: type,
                                                           match: str) -> None:

@@ -96,6 +96,13 @@ activekv::OptionValues activekv_options(const py::handle& vllm_config) {
     return {};
   }
   py::dict d = extra.cast<py::dict>();
+  // A key that spells "activekv" in other letter cases ("ActiveKV") is the user's options under a name never read.
+  const py::str name("activekv");
+  for (auto item : d) {
+    if (!py::isinstance<py::str>(item.first) || item.first.equal(name)) continue;
+    TORCH_CHECK_VALUE(!item.first.attr("lower")().equal(name), "additional_config[", std::string(py::repr(item.first)),
+                      "] is not read: ActiveKV's options go under the lower-case key 'activekv'");
+  }
   if (!d.contains("activekv")) return {};
   py::object opts = d["activekv"];
   TORCH_CHECK_TYPE(py::isinstance<py::dict>(opts), "additional_config['activekv'] must be a dict, got ",

@@ -136,6 +136,13 @@ BackendConfig backend_config(const OptionValues& options, const KvCacheGroup& gr
   } catch (const c10::ValueError& e) {
     C10_THROW_ERROR(ValueError, from + e.what_without_backtrace());
   }
+  // Options only compressed mode reads: given in exact mode they would be ignored, so the user's intent is unclear.
+  if (cfg.mode != Mode::kCompressed) {
+    for (const char* name : {"budget_tokens", "sink_blocks", "recent_blocks", "dense_layers"}) {
+      AKV_CHECK_VALUE(!options.count(name), option_label(name), " applies to mode 'compressed' only, got it with mode "
+                      "'exact': set ", option_label("mode"), " to 'compressed' or drop it");
+    }
+  }
   cfg.budget_tokens = option_int(options, "budget_tokens", cfg.budget_tokens);
   cfg.sink_blocks = option_int(options, "sink_blocks", cfg.sink_blocks);
   cfg.recent_blocks = option_int(options, "recent_blocks", cfg.recent_blocks);
