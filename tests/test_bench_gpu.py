@@ -165,7 +165,25 @@ def test_compressed_target_is_2x_sdpa_or_a_tenth_of_the_union_at_batch_16_128k_d
     assert f"{ms:.2f} ms against 2 x {sdpa:.3f}" in line
     assert f"({'met' if time_met else 'not met'}); admitted / union {ratio:.3f} ({'met' if ratio_met else 'not met'})" \
         in line
-    assert line.endswith(f"target {'met' if time_met or ratio_met else 'not met'}.")
+    assert f"; target {'met' if time_met or ratio_met else 'not met'}. The admitted bytes alone take" in line
+
+
+def test_compressed_target_names_the_admitted_bytes_bus_time_and_the_heads_share_of_them() -> None:
+    res = with_drift_rows(30.0, 0.5)
+    res["ceilings"] = {"h2d_GBps": 50.0}
+    row = next(r for r in res["compressed"] if r.get("queries") == "drift"
+               and (r["batch"], r["context"]) == (16, 131072))
+    row.update(admitted_per_step_timed=6000.0, selected_blocks_per_row_timed=1003.0, union_blocks_per_row_timed=950.0)
+    [line] = bench_gpu.compressed_targets(res)
+    bus = 6000 * 65536 / 50e6  # 7.86 ms
+    assert f"The admitted bytes alone take {bus:.2f} ms on the pinned bus (6000 blocks of 64 KiB at 50.0 GB/s), above" \
+        in line
+    assert line.endswith("(1003 per row over a union of 950: 1.06 heads per admitted block, 13% of the bytes "
+                         "admitted).")
+    row["admitted_per_step_timed"] = 10.0
+    assert "within" in bench_gpu.compressed_targets(res)[0]
+    del res["ceilings"]  # no bus figure in the data: the sentence is left out
+    assert bench_gpu.compressed_targets(res)[0].endswith("target not met.")
 
 
 def test_compressed_target_says_not_measured_without_a_drift_row() -> None:
