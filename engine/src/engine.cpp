@@ -315,6 +315,7 @@ void Engine::forward(int64_t layer, const StepPlan& step_plan, const at::Tensor&
                               : std::vector<RowSelection>();
   const auto out3 = output.view({output.size(0), h, d});
   LayerStep step{plan, L, in_place() ? host : L.pool, query, out3, scale, selections};
+  if (copy_stream_.has_value() && host.is_cpu()) step.upload = &*copy_stream_;
   // The decode batch (StepPlan::batch): its rows in one launch when every block they read is on the device: in place,
   // or all resident in the pool (touched as admitting them would, no copy; the kernel finds their slots in the page
   // table on the device). Launched before any admission of the other rows, so a slot those evict is overwritten on

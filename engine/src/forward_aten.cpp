@@ -52,7 +52,7 @@ void AtenPath::finish(const LayerStep& s) {
 void AtenPath::attend_tile(const LayerStep& s, size_t i, int64_t tile, const std::vector<int64_t>& slots) {
   const auto& w = s.plan.rows[i];
   const int64_t bs = g_.block_size, tb = g_.tile_blocks, n = static_cast<int64_t>(slots.size());
-  auto gathered = gather_tile(s.kv, index_tensor(slots, device_));  // [KVH, 2, n, bs, D]
+  auto gathered = gather_tile(s.kv, index_tensor(slots, device_, s.upload));  // [KVH, 2, n, bs, D]
   auto mask = tile_mask(w.seq - w.lq, w.lq, tile * tb * bs, n * bs, device_);
   online_softmax_tile(rows_[i].st, rows_[i].qg, gathered, mask, s.scale);
   telemetry_.add(Counter::kTilesComputed);
@@ -69,7 +69,7 @@ void AtenPath::attend_selected(const LayerStep& s, size_t i, const std::vector<i
   for (int64_t x = 0; x < kvh * m; ++x) flat[x] = head_slots[x] * kvh + x / m;
   const auto& pool = s.kv;
   auto per_head = pool.view({pool.size(0) * kvh, 2, bs, g_.head_size})
-                      .index_select(0, index_tensor(flat, device_))
+                      .index_select(0, index_tensor(flat, device_, s.upload))
                       .view({kvh, m, 2, bs, g_.head_size})
                       .permute({0, 2, 1, 3, 4});  // [KVH, 2, m, bs, D]
   auto offsets = at::arange(bs, at::TensorOptions().dtype(at::kLong).device(device_));

@@ -126,7 +126,7 @@ class CudaPath : public AtenPath {
                    int64_t lq) {
     CudaAttendArgs a;
     a.pool = s.kv;
-    const auto dev = index_tensor(idx, device_);
+    const auto dev = index_tensor(idx, device_, s.upload);
     const auto half = static_cast<int64_t>(idx.size()) / 2;
     a.slots = dev.narrow(0, 0, half);
     a.pos = dev.narrow(0, half, half);

@@ -30,6 +30,9 @@ struct LayerStep {
   /// neither admitted nor given per-row state
   bool batch = false;
   at::Tensor page;  ///< with `batch` on a pool: the layer's page table on the device (KVState::device_page)
+  /// A tiered engine's copy stream, where the paths queue their per-unit index copies (transfer.h index_tensor);
+  /// nullptr otherwise
+  const c10::Stream* upload = nullptr;
 };
 
 /// An admitted unit: its index in the step and the slots of its blocks in LayerStep::kv (in the unit's order).

@@ -61,6 +61,22 @@ at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device) {
   return to_device ? t.to(device, /*non_blocking=*/true) : t;
 }
 
+at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device, const c10::Stream* upload) {
+  if (upload == nullptr || device.is_cpu()) return index_tensor(ids, device);
+  c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream current = impl.getStream(device);
+  at::Tensor dev;
+  {
+    c10::StreamGuard guard(*upload);
+    dev = index_tensor(ids, device);
+  }
+  c10::Event uploaded(device.type());
+  uploaded.record(*upload);
+  uploaded.block(current);
+  impl.recordDataPtrOnStream(dev.storage().data_ptr(), current);  // allocated on `upload`, read on `current`
+  return dev;
+}
+
 int64_t copy_blocks(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                     const std::vector<int64_t>& dst_ids) {
   check_copy(src, dst, src_ids, dst_ids);

@@ -30,6 +30,13 @@ namespace activekv {
 /// device the list goes through pinned memory with a non-blocking copy, so building an index never synchronizes.
 at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device);
 
+/// The same index for the current stream, its host-to-device copy queued on `upload` (a tiered engine's copy stream;
+/// nullptr: on the current stream), which the current stream then waits for. Host-to-device copies of two streams
+/// share the copy engines, and a small index copy on the compute stream waits behind every tile copy the copy stream
+/// has queued (in an H200 trace of streamed decode, a step's attention kernels ran only after its last tile copy), so
+/// a tiered engine's per-tile indexes go on the copy stream, each right after its own tile.
+at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device, const c10::Stream* upload);
+
 /// Copy blocks `src[src_ids[i]] -> dst[dst_ids[i]]` along dim 0, on the current stream (synchronous on CPU).
 /// @param src [num_src_blocks, ...] (e.g. the host tier [num_blocks, num_kv_heads, 2, block_size, head_size])
 /// @param dst [num_dst_blocks, ...] same trailing shape and dtype (e.g. the pool)
