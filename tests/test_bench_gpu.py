@@ -59,9 +59,14 @@ def test_streamed_breakdown_configurations_parse_with_an_optional_tile() -> None
     assert bench_gpu.parse_streamed("16X32768:128") == (16, 32768, 128)
     assert [bench_gpu.parse_streamed(s) for s in bench_gpu.STREAMED_BREAKDOWN_DEFAULT] == [
         (1, 131072, 256), (1, 32768, 128), (16, 131072, 256)]
-    for bad in ("1", "1x", "x32k", "1x32k:", "1x32k:0", "0x32k", "1x100", "1x32k:big"):
-        with pytest.raises(argparse.ArgumentTypeError, match="got"):
+    for bad in ("1", "1x", "x32k", "1x32k:", "1x32k:big"):
+        with pytest.raises(argparse.ArgumentTypeError, match=r"expected BATCHxCONTEXT\[:TILE\] .* \(TILE in blocks\)"):
             bench_gpu.parse_streamed(bad)
+    for bad, why in (("0x32k", "the batch must be >= 1"), ("1x100", "a positive multiple of 16 tokens"),
+                     ("1x32k:0", "the tile must be 1 to 1024 blocks"), ("1x32k:1025", "the tile must be 1 to 1024")):
+        with pytest.raises(argparse.ArgumentTypeError, match=why + ".*got"):
+            bench_gpu.parse_streamed(bad)
+    assert bench_gpu.parse_streamed("1x32k:1024") == (1, 32768, 1024)  # the whole pool
 
 
 def copy_event(ts: float, dur: float, corr: int, nbytes: int = 16 << 20) -> dict:
@@ -260,15 +265,26 @@ def test_cli_help_works_without_a_gpu_and_names_the_new_options() -> None:
     proc = run_cli("--help")
     assert proc.returncode == 0, proc.stderr
     assert "--compressed-breakdown" in proc.stdout and "--drift" in proc.stdout
-    assert "--streamed-breakdown" in proc.stdout
+    text = " ".join(proc.stdout.split())  # argparse wraps at the terminal's width
+    assert "--streamed-breakdown" in text and "TILE in blocks" in text
+    assert text.startswith("usage: python -m tools.bench_gpu") and "(default build/gpu)" in text
 
 
 @pytest.mark.parametrize(("args", "message"), [(("--drift", "1.0"), "--drift must be in [0, 1)"),
                                                (("--compressed-breakdown", "16x32k:walk"), "expected a batch"),
-                                               (("--streamed-breakdown", "1x32k:0"), "expected BATCHxCONTEXT")])
+                                               (("--streamed-breakdown", "1x32k:0"), "the tile must be 1 to 1024"),
+                                               (("--streamed-breakdown", "1x32k:5000"), "the tile must be 1 to 1024")])
 def test_cli_refuses_bad_arguments_before_touching_the_device(args: tuple[str, ...], message: str) -> None:
     proc = run_cli(*args)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the run without a CUDA device")
+def test_cli_without_a_cuda_device_says_so_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_cli("--out", str(out), "--sections", "--streamed-breakdown", "1x32k:128")
+    assert proc.returncode == 2 and "needs a CUDA device: torch.cuda.is_available() is False" in proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
 
 
 class FakeEngine:

@@ -1,7 +1,8 @@
 """GPU benchmark: transfers and decode attention on a CUDA device, each ceiling re-measured in the same run.
 
-    python -m tools.bench_gpu [--out DIR] [--quick] [--sections ...] [--split-sweep] [--drift A]
+    python -m tools.bench_gpu [--out DIR] [--quick] [--sections [SECTION ...]] [--split-sweep] [--drift A]
                               [--compressed-breakdown [BATCHxCONTEXT[:QUERIES] ...]]
+                              [--streamed-breakdown [BATCHxCONTEXT[:TILE] ...]]
 
 Prints markdown tables and writes `gpu_bench.json` (every figure, with the command, date, device and versions) and
 `gpu_decode.png` (time per decode step against context length) under --out. Committed as docs/data/bench_gpu.json,
@@ -40,6 +41,13 @@ item) and prints them (not kept in the JSON).
 names (default 16x32k and 16x128k, random queries), prints the top 15 host and device costs, writes them to
 compressed_breakdown_b*_*k_*.txt under --out and a summary (host and device time per step, pool over the union,
 admitted / evicted / hit per step) to the JSON's "compressed_breakdown".
+--streamed-breakdown profiles streamed exact decode (pool 16k tokens, tiles of TILE blocks, default 256, at most the
+pool's 1024) at the configurations it names (default 1x128k:256, 1x32k:128, 16x128k:256): from the profiler's trace,
+the copy engine's busy time and rate on the tile copies, the gaps between them and how many the host caused, the
+kernels' time and the host's CUDA runtime calls; the traces are written gzipped under --out, a summary to the JSON's
+"streamed_breakdown".
+A breakdown alone: `--sections` with no section names, e.g. `--sections --streamed-breakdown 1x32k:128`.
+Needs a CUDA device: without one it says so and exits 2, writing nothing.
 """
 
 from __future__ import annotations
@@ -555,12 +563,13 @@ def compressed_breakdown(batch: int, ctx: int, queries: str, out: Path, calls: i
 
 
 STREAMED_BREAKDOWN_DEFAULT = ("1x128k:256", "1x32k:128", "16x128k:256")
+STREAMED_POOL_TOKENS = 16384  # the streamed section's and breakdown's pool
 
 
 def parse_streamed(spec: str) -> tuple[int, int, int]:
     """'BATCHxCONTEXT[:TILE]' (context in tokens or with a k suffix, tile in blocks, default 256) -> (batch, context,
     tile); e.g. '1x128k:256', '1x32k:128'."""
-    msg = f"expected BATCHxCONTEXT[:TILE] such as 1x128k:256, got {spec!r}"
+    msg = f"expected BATCHxCONTEXT[:TILE] such as 1x128k:256 (TILE in blocks), got {spec!r}"
     head, sep, tile = spec.lower().partition(":")
     b, _, c = head.partition("x")
     try:
@@ -569,8 +578,14 @@ def parse_streamed(spec: str) -> tuple[int, int, int]:
         tile_blocks = int(tile) if sep else 256
     except ValueError:
         raise argparse.ArgumentTypeError(msg) from None
-    if batch < 1 or ctx < BS or ctx % BS or tile_blocks < 1:
-        raise argparse.ArgumentTypeError(msg)
+    pool = STREAMED_POOL_TOKENS // BS
+    if batch < 1:
+        raise argparse.ArgumentTypeError(f"the batch must be >= 1, got {spec!r}")
+    if ctx < BS or ctx % BS:
+        raise argparse.ArgumentTypeError(f"the context must be a positive multiple of {BS} tokens, got {spec!r}")
+    if not 1 <= tile_blocks <= pool:
+        raise argparse.ArgumentTypeError(f"the tile must be 1 to {pool} blocks (the pool of {STREAMED_POOL_TOKENS} "
+                                         f"tokens), got {spec!r}")
     return batch, ctx, tile_blocks
 
 
@@ -614,7 +629,7 @@ def trace_stats(events: list[dict], steps: int, big_bytes: int = 1 << 20) -> dic
                                "max_us": max(d)} for n, d in top]}
 
 
-def streamed_breakdown(batch: int, ctx: int, tile_blocks: int, out: Path, pool_tokens: int = 16384,
+def streamed_breakdown(batch: int, ctx: int, tile_blocks: int, out: Path, pool_tokens: int = STREAMED_POOL_TOKENS,
                        calls: int = 4) -> dict:
     """Streamed exact decode (mapped transfer, its own read, CUDA kernel) profiled by torch.profiler over `calls`
     forwards after warm-up: where the copy engine waits (trace_stats), beside the unprofiled step time. The trace is
@@ -898,10 +913,13 @@ def plot(res: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("build/gpu"))
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_gpu", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("build/gpu"),
+                    help="folder for gpu_bench.json, the plot and the breakdowns (default build/gpu)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes (a smoke run)")
-    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS), metavar="SECTION",
+                    help="sections to run, of " + ", ".join(SECTIONS) + " (default all; none: only the breakdowns "
+                         "asked for)")
     ap.add_argument("--split-sweep", action="store_true", help="also time the decode batch at each split")
     ap.add_argument("--drift", type=float, default=DRIFT_A, metavar="A",
                     help=f"AR(1) coefficient of the compressed section's drifting queries (default {DRIFT_A})")
@@ -910,7 +928,8 @@ def main() -> None:
                          + " and ".join(BREAKDOWN_DEFAULT) + ", random queries); print and write the top host and "
                          "device costs under --out")
     ap.add_argument("--streamed-breakdown", nargs="*", type=parse_streamed, metavar="BATCHxCONTEXT[:TILE]",
-                    help="profile streamed exact decode (pool 16k tokens) at these configurations (default "
+                    help="profile streamed exact decode (pool 16k tokens, TILE in blocks, default 256) at these "
+                         "configurations (default "
                          + " ".join(STREAMED_BREAKDOWN_DEFAULT) + "): the copy engine's busy time and gaps, the "
                          "host's CUDA calls; the traces are written gzipped under --out")
     args = ap.parse_args()
@@ -920,6 +939,10 @@ def main() -> None:
         args.streamed_breakdown = [parse_streamed(b) for b in STREAMED_BREAKDOWN_DEFAULT]
     if not 0.0 <= args.drift < 1.0:
         ap.error(f"--drift must be in [0, 1), got {args.drift}")
+    if not torch.cuda.is_available():
+        print("tools.bench_gpu needs a CUDA device: torch.cuda.is_available() is False (torch "
+              f"{torch.__version__}); run it on the device (`make gpu-check`)", file=sys.stderr)
+        sys.exit(2)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
@@ -951,7 +974,7 @@ def main() -> None:
         save()
 
     if "streamed" in want:
-        res["streamed"] = [exact_decode(b, 131072, True, 16384, 256, tr, kn, rd) for b in batches
+        res["streamed"] = [exact_decode(b, 131072, True, STREAMED_POOL_TOKENS, 256, tr, kn, rd) for b in batches
                            for tr, kn, rd in (("mapped", "native", "own"), ("mapped", "native", "gather kernel"),
                                               ("mapped", "aten", "own"), ("staged", "native", "own"))]
         print("## streamed exact decode: 128k context in a pinned host tier, pool 16k tokens, tile 256 blocks\n")
