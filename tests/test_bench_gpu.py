@@ -96,6 +96,9 @@ def test_trace_stats_times_the_copy_engine_and_blames_gaps_on_a_late_host() -> N
     assert st["gap_median_us"] == pytest.approx(35) and st["gap_p90_us"] == pytest.approx(20)
     assert st["gaps_host_late"] == 1 and st["host_late_ms_per_step"] == pytest.approx(0.025)
     assert st["kernel_ms_per_step"] == pytest.approx(0.02)
+    assert st["tail_ms_per_step"] == 0.0  # the kernel ended (670) before the last tile copy (970)
+    late = bench_gpu.trace_stats(events + [{"cat": "kernel", "name": "attend", "ts": 990, "dur": 50, "args": {}}], 2)
+    assert late["tail_ms_per_step"] == pytest.approx(0.035)  # ran on 70 us past the last copy's end, over 2 steps
     top = st["runtime_calls"][0]
     assert top == {"name": "cudaMemcpyAsync", "calls_per_step": 2, "ms_per_step": pytest.approx(0.02), "max_us": 25}
     assert [c["name"] for c in st["runtime_calls"]] == ["cudaMemcpyAsync", "cudaLaunchKernel"]
@@ -107,7 +110,10 @@ def test_trace_stats_of_a_trace_without_copies_reports_none_rather_than_dividing
     row = {"batch": 1, "context": 131072, "tile_blocks": 256, "ms": 12.0, "kv_GBps": 44.7, **st}
     lines = bench_gpu.streamed_breakdown_table({"streamed_breakdown": [row]})
     assert len(lines) == 3 and lines[2].startswith("| 1 | 128k | 256 | 12.00 | 44.7 | 0 | 0.00 | - |")
-    assert lines[2].endswith("| cudaLaunchKernel 0.01 ms (1) |")
+    assert lines[2].endswith("| 0.00 | cudaLaunchKernel 0.01 ms (1) |")
+    del row["tail_ms_per_step"]  # data written before the column
+    assert bench_gpu.streamed_breakdown_table({"streamed_breakdown": [row]})[2].endswith(
+        "| - | cudaLaunchKernel 0.01 ms (1) |")
 
 
 # The keys of a compressed row that data written before the timed-step counters lacks.
@@ -195,6 +201,16 @@ def test_compressed_target_says_not_measured_without_a_drift_row() -> None:
     res = older_data()
     [line] = bench_gpu.compressed_targets(res)
     assert line.endswith("not measured (no drifting-query row at that batch and context).")
+
+
+def test_gather_line_gives_the_low_counts_the_range_from_8_and_the_default() -> None:
+    res = {"gather": [{"block_KiB": 16, "ctas": c, "default": False, "mapped_GBps": g}
+                      for c, g in ((2, 20.0), (4, 40.0), (8, 44.0), (132, 45.5))]
+           + [{"block_KiB": 16, "ctas": 32, "default": True, "mapped_GBps": 44.6},
+              {"block_KiB": 64, "ctas": 8, "default": False, "mapped_GBps": 47.0}]}
+    assert bench_gpu.gather_line(res) == (
+        "copy_blocks_mapped by CTA count of its gather kernel (`ACTIVEKV_GATHER_CTAS`): 16 KiB blocks 20.0 GB/s at 2, "
+        "40.0 GB/s at 4, 44.0-45.5 from 8 to 132 (the default, 32: 44.6); 64 KiB blocks 47.0-47.0 from 8 to 8.")
 
 
 def test_breakdown_table_has_a_row_per_profile_with_the_admitted_bytes_bus_time() -> None:

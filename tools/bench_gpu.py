@@ -593,7 +593,8 @@ def trace_stats(events: list[dict], steps: int, big_bytes: int = 1 << 20) -> dic
     """Per step, from a Chrome trace's events (torch.profiler's export): the host-to-device copies of at least
     `big_bytes` (the tiles' reads), the time the copy engine spent on them, the gaps between consecutive ones and how
     many of those gaps the host caused (the copy's enqueueing call began after the previous copy had ended), the
-    kernels' device time, and the host's CUDA runtime calls by total time."""
+    kernels' device time and how long kernels ran on after the last such copy had ended (the tail: attention that did
+    not overlap the copies), and the host's CUDA runtime calls by total time."""
     copies = sorted((e for e in events if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")
                      and e.get("args", {}).get("bytes", 0) >= big_bytes), key=lambda e: e["ts"])
     runtime = {e["args"]["correlation"]: e for e in events if e.get("cat") == "cuda_runtime"
@@ -615,6 +616,9 @@ def trace_stats(events: list[dict], steps: int, big_bytes: int = 1 << 20) -> dic
             calls.setdefault(e["name"], []).append(e["dur"])
     top = sorted(calls.items(), key=lambda kv: -sum(kv[1]))[:6]
     span = (copies[-1]["ts"] + copies[-1]["dur"] - copies[0]["ts"]) if copies else 0.0
+    # Device work still running after the last tile copy ended: attention the compute stream could not overlap.
+    last = copies[-1]["ts"] + copies[-1]["dur"] if copies else None
+    tail = max((e["ts"] + e["dur"] - last for e in kernels if e["ts"] + e["dur"] > last), default=0.0) if copies else 0.0
     ordered = sorted(gaps)
     return {"copies_per_step": len(copies) / steps, "copy_bytes_per_step": nbytes / steps,
             "copy_busy_ms_per_step": busy / 1e3 / steps,
@@ -625,6 +629,7 @@ def trace_stats(events: list[dict], steps: int, big_bytes: int = 1 << 20) -> dic
             "gap_p90_us": ordered[int(0.9 * (len(ordered) - 1))] if gaps else None,
             "gaps_host_late": host_late, "gaps": len(gaps), "host_late_ms_per_step": host_late_us / 1e3 / steps,
             "kernel_ms_per_step": sum(e["dur"] for e in kernels) / 1e3 / steps,
+            "tail_ms_per_step": tail / 1e3 / steps,
             "runtime_calls": [{"name": n, "calls_per_step": len(d) / steps, "ms_per_step": sum(d) / 1e3 / steps,
                                "max_us": max(d)} for n, d in top]}
 
@@ -678,17 +683,19 @@ def streamed_breakdown(batch: int, ctx: int, tile_blocks: int, out: Path, pool_t
 def streamed_breakdown_table(res: dict) -> list[str]:
     """One row per profiled streamed configuration (--streamed-breakdown)."""
     lines = ["| batch | context | tile blocks | ms/step | KV GB/s | copies/step | copy engine busy ms | its GB/s | "
-             "gaps ms/step | median gap us | host-late gaps | their ms/step | kernels ms/step | largest host call |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "gaps ms/step | median gap us | host-late gaps | their ms/step | kernels ms/step | kernels after the last "
+             "copy ms/step | largest host call |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("streamed_breakdown", []):
         top = r["runtime_calls"][0] if r.get("runtime_calls") else None
         largest = "-" if top is None else f"{top['name']} {top['ms_per_step']:.2f} ms ({top['calls_per_step']:.0f})"
         rate = "-" if r.get("copy_engine_GBps") is None else f"{r['copy_engine_GBps']:.1f}"
         med = "-" if r.get("gap_median_us") is None else f"{r['gap_median_us']:.0f}"
+        tail = "-" if r.get("tail_ms_per_step") is None else f"{r['tail_ms_per_step']:.2f}"
         lines.append(f"| {r['batch']} | {r['context'] // 1024}k | {r['tile_blocks']} | {r['ms']:.2f} | "
                      f"{r['kv_GBps']:.1f} | {r['copies_per_step']:.0f} | {r['copy_busy_ms_per_step']:.2f} | {rate} | "
                      f"{r['gap_ms_per_step']:.2f} | {med} | {r['gaps_host_late']} of {r['gaps']} | "
-                     f"{r['host_late_ms_per_step']:.2f} | {r['kernel_ms_per_step']:.2f} | {largest} |")
+                     f"{r['host_late_ms_per_step']:.2f} | {r['kernel_ms_per_step']:.2f} | {tail} | {largest} |")
     return lines
 
 
@@ -732,6 +739,25 @@ def gather_table(res: dict) -> list[str]:
             cells += ["-" if g is None else f"{g:.1f}", "-" if g is None or k not in plain else f"{g / plain[k]:.2f}"]
         lines.append(f"| {ctas}{' (default)' if default else ''} | " + " | ".join(cells) + " |")
     return lines
+
+
+def gather_line(res: dict) -> str:
+    """The CTA sweep (the JSON's "gather") in one sentence: per block size, the rate at each count below 8 CTAs, the
+    range from 8 up, and the default's."""
+    parts = []
+    for k in sorted({r["block_KiB"] for r in res["gather"]}):
+        rows = [r for r in res["gather"] if r["block_KiB"] == k]
+        low = [f"{r['mapped_GBps']:.1f} GB/s at {r['ctas']}" for r in rows if r["ctas"] < 8 and not r["default"]]
+        high = [r for r in rows if r["ctas"] >= 8 and not r["default"]]
+        default = next((r for r in rows if r["default"]), None)
+        if high:
+            low.append(f"{min(r['mapped_GBps'] for r in high):.1f}-{max(r['mapped_GBps'] for r in high):.1f} from "
+                       f"{min(r['ctas'] for r in high)} to {max(r['ctas'] for r in high)}")
+        part = f"{k} KiB blocks " + ", ".join(low)
+        if default is not None:
+            part += f" (the default, {default['ctas']}: {default['mapped_GBps']:.1f})"
+        parts.append(part)
+    return "copy_blocks_mapped by CTA count of its gather kernel (`ACTIVEKV_GATHER_CTAS`): " + "; ".join(parts) + "."
 
 
 def streamed_table(res: dict) -> list[str]:

@@ -472,6 +472,12 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
         + (f" (a tile's 256 blocks lie in order: one 16 MiB run, read by the copy engines), "
            f"{_range(streamed_kernel, '{:.2f}')} with its gather kernel forced" if streamed_kernel else "") + ".", "",
         *bench_gpu.streamed_table(gpu), "",
+        *([f"**Where a streamed step goes** (torch.profiler over 4 steps; `--streamed-breakdown`, pool of 16k tokens; "
+            "the traces are written beside the data). The copy engine's busy time and rate are those of the tile "
+            "copies (at least 1 MiB each); a gap is the idle time between two of them, host-late when the call that "
+            "queued the second began after the first had ended; the profiler slows the host, so its steps may take "
+            "longer than the unprofiled ms/step.", "", *bench_gpu.streamed_breakdown_table(gpu), ""]
+          if gpu.get("streamed_breakdown") else []),
         f"**Compressed decode** (budget 2048 tokens, pinned host tier, 4 random queries in turn"
         + (f"; and drifting queries, a new one each step from an AR(1) process per head, a = {drift['drift_a']}"
            if drift else "") + ") against SDPA "
@@ -500,8 +506,7 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
            if small.get("gather_kernel_GBps") else "") + ".", "",
         *bench_gpu.ceilings_table(gpu), "",
         *bench_gpu.blocks_table(gpu),
-        *(["", "copy_blocks_mapped by CTA count of its gather kernel (`ACTIVEKV_GATHER_CTAS`):", "",
-            *bench_gpu.gather_table(gpu)] if gpu.get("gather") else []),
+        *(["", bench_gpu.gather_line(gpu)] if gpu.get("gather") else []),
     ]
 
 
