@@ -58,12 +58,27 @@ def test_benchmarks_page_is_at_most_300_lines_and_each_table_opens_its_section()
 
 
 def test_data_files_carry_their_provenance() -> None:
-    for name in ("bench_cpu.json", "bench_e2e.json", "bench_gpu.json"):
+    for name in ("bench_cpu.json", "bench_e2e.json", "bench_gpu.json", docs.GPU_STREAMED_DATA):
         data = json.loads((docs.DATA / name).read_text())
         assert data["command"] and re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"]), name
     cpu = docs.load("bench_cpu.json")
     assert cpu["machine"]["cpu"] and cpu["commit"] and cpu["versions"]["activekv"]
     assert "no GPU" in docs.load("bench_gpu.json")["provenance"]["machine"]
+
+
+def test_a_later_streamed_run_replaces_the_streamed_table_and_says_where_it_comes_from() -> None:
+    gpu = docs.load("bench_gpu.json")
+    later = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-05", "command": "python -m tools.bench_gpu X",
+             "provenance": {"run": "the tree of abc"}, "ceilings": {"h2d_GBps": 50.0},
+             "streamed": [{**r, "ms": 123.45} for r in gpu["streamed"]]}
+    page = "\n".join(docs.gpu_section(gpu, later))
+    assert "come from a later run on NVIDIA H100 80GB HBM3 (2026-12-05): `python -m tools.bench_gpu X` (the tree of " \
+           "abc); data `docs/data/bench_gpu_streamed.json`; its pinned bus: 50.0 GB/s" in page
+    assert "| 123.45 |" in page and f"| {gpu['streamed'][0]['ms']:.2f} |" not in page
+    assert "Where a streamed step goes" not in page  # the later run has no breakdown: none is shown
+    alone = "\n".join(docs.gpu_section(gpu))
+    assert "later run" not in alone and f"| {gpu['streamed'][0]['ms']:.2f} |" in alone
+    assert docs.short_device("NVIDIA H100 80GB HBM3") == "H100" and docs.short_device("NVIDIA H200") == "H200"
 
 
 def test_no_page_narrates_past_work() -> None:

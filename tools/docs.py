@@ -9,6 +9,9 @@ Data (each file holds the command that measured it, the machine, the versions, t
 - docs/data/bench_prefill.json: `python -m tools.bench_prefill --json docs/data/bench_prefill.json`
   (`make bench-prefill`);
 - docs/data/bench_gpu.json: the `gpu_bench.json` that `make gpu-check GPU_OUT=DIR` writes on a CUDA machine;
+- docs/data/bench_gpu_streamed.json (optional): a later run's `gpu_bench.json` of the ceilings and streamed sections
+  (`GPU_BENCH_ARGS="--sections ceilings streamed --streamed-breakdown ..."`), with its own provenance: where present,
+  the streamed table, its breakdown, the plot's streamed series and README's streamed row come from it;
 - docs/data/bench_gpu_vllm.json: the `bench_gpu_vllm.json` that `make gpu-vllm-bench GPU_OUT=DIR` writes on the
   device (tools/bench_gpu_vllm.py); until it is committed, its section says "not yet measured".
 
@@ -428,15 +431,21 @@ def e2e_plot(e2e: dict[str, Any], path: Path) -> None:
 
 # --- GPU --------------------------------------------------------------------------------------------------------
 
-def gpu_section(gpu: dict[str, Any]) -> list[str]:
+GPU_STREAMED_DATA = "bench_gpu_streamed.json"
+
+
+def gpu_section(gpu: dict[str, Any], later: dict[str, Any] | None = None) -> list[str]:
+    """The engine-level GPU section from one run; `later`, a later run of the streamed section, replaces its streamed
+    table and breakdown where given."""
     from tools import bench_gpu
 
     prov = gpu["provenance"]
+    sgpu = later or gpu
     in_place = [s["ms"] / a["ms"] for a, s in zip(gpu["resident"], gpu["sdpa"], strict=True)]
     in_place_kernel = [s["kernel_ms"] / a["kernel_ms"] for a, s in zip(gpu["resident"], gpu["sdpa"], strict=True)]
     pooled = [s["ms"] / a["ms"] for a, s in zip(gpu["resident_pool"], gpu["sdpa"], strict=True)]
     def bus(read: str) -> list[float]:
-        return [r["h2d_bytes_per_step"] / r["ms"] / 1e6 / gpu["ceilings"]["h2d_GBps"] for r in gpu["streamed"]
+        return [r["h2d_bytes_per_step"] / r["ms"] / 1e6 / sgpu["ceilings"]["h2d_GBps"] for r in sgpu["streamed"]
                 if (r["transfer"], r["kernel"], r.get("read", "own")) == ("mapped", "native", read)]
 
     streamed, streamed_kernel = bus("own"), bus("gather kernel")
@@ -466,18 +475,21 @@ def gpu_section(gpu: dict[str, Any]) -> list[str]:
         f"{_range([100 * r for r in pooled], '{:.0f}%')}; the in-place kernels against SDPA's: "
         f"{_range([100 * r for r in in_place_kernel], '{:.0f}%')}.", "",
         *bench_gpu.resident_table(gpu), "",
-        f"**Streamed exact decode** ({max(r['context'] for r in gpu['streamed']) // 1024}k-token context in a pinned "
+        *([f"The streamed figures below come from a later run on {later['device']} ({later['date']}): "
+            f"`{later['command']}` ({later['provenance']['run']}); data `docs/data/{GPU_STREAMED_DATA}`; its pinned bus: "
+            f"{later['ceilings']['h2d_GBps']:.1f} GB/s host to device.", ""] if later else []),
+        f"**Streamed exact decode** ({max(r['context'] for r in sgpu['streamed']) // 1024}k-token context in a pinned "
         "host tier, pool of 16k tokens, tile of 256 blocks: every block crosses the bus every step). Target: 90% of "
         f"the pinned bus; measured {_range(streamed, '{:.2f}')} of it with the mapped transfer and the CUDA kernel"
         + (f" (a tile's 256 blocks lie in order: one 16 MiB run, read by the copy engines), "
            f"{_range(streamed_kernel, '{:.2f}')} with its gather kernel forced" if streamed_kernel else "") + ".", "",
-        *bench_gpu.streamed_table(gpu), "",
+        *bench_gpu.streamed_table(sgpu), "",
         *([f"**Where a streamed step goes** (torch.profiler over 4 steps; `--streamed-breakdown`, pool of 16k tokens; "
             "the traces are written beside the data). The copy engine's busy time and rate are those of the tile "
             "copies (at least 1 MiB each); a gap is the idle time between two of them, host-late when the call that "
             "queued the second began after the first had ended; the profiler slows the host, so its steps may take "
-            "longer than the unprofiled ms/step.", "", *bench_gpu.streamed_breakdown_table(gpu), ""]
-          if gpu.get("streamed_breakdown") else []),
+            "longer than the unprofiled ms/step.", "", *bench_gpu.streamed_breakdown_table(sgpu), ""]
+          if sgpu.get("streamed_breakdown") else []),
         f"**Compressed decode** (budget 2048 tokens, pinned host tier, 4 random queries in turn"
         + (f"; and drifting queries, a new one each step from an AR(1) process per head, a = {drift['drift_a']}"
            if drift else "") + ") against SDPA "
@@ -622,7 +634,7 @@ def benchmarks_page() -> str:
         + (f"{gpu_vllm.get('device', {}).get('name', '?')} (device tool) |" if gpu_vllm
            else "NVIDIA H200 (device tool): not yet measured |"), "",
         *cpu_section(cpu), "", *([*prefill_section(pre), ""] if pre else []), *e2e_section(e2e), "",
-        *gpu_section(gpu), "", *gpu_vllm_section(gpu_vllm), "",
+        *gpu_section(gpu, load_optional(GPU_STREAMED_DATA)), "", *gpu_vllm_section(gpu_vllm), "",
         "## Tried and not kept", "",
         "What was measured and then left out is listed in [tried.md](tried.md).",
     ]
@@ -644,8 +656,10 @@ def readme_results() -> str:
     e2e_default = e2e_ranges(e2e)
     comp = max((r for r in gpu["compressed"] if r["batch"] == 1 and r.get("queries", "random") == "random"),
                key=lambda r: r["context"])
-    stream = next(r for r in gpu["streamed"]
+    sgpu = load_optional(GPU_STREAMED_DATA) or gpu
+    stream = next(r for r in sgpu["streamed"]
                   if r["batch"] == 1 and (r["transfer"], r["kernel"]) == ("mapped", "native"))
+    stream_bus = stream["h2d_bytes_per_step"] / stream["ms"] / 1e6 / sgpu["ceilings"]["h2d_GBps"]
     sdpa = {(r["batch"], r["context"]): r for r in gpu["sdpa"]}
     longest = max(r["context"] for r in gpu["resident"])
     resident = {r["batch"]: r for r in gpu["resident"] if r["context"] == longest}
@@ -671,8 +685,9 @@ def readme_results() -> str:
         (f"Exact decode, H200, {longest // 1024}k context in place on the device, batch 1 / 16, vs SDPA flash",
          " / ".join(f"{r['ms']:.3f} ms ({sdpa[(b, longest)]['ms'] / r['ms']:.2f} of its KV read rate)"
                     for b, r in sorted(resident.items())) + " per step and layer", "gpu-engine-level"),
-        (f"Exact decode, H200, {stream['context'] // 1024}k context streamed from host memory, batch 1",
-         f"{stream['ms']:.1f} ms per step and layer", "gpu-engine-level"),
+        (f"Exact decode, {short_device(sgpu['device'])}, {stream['context'] // 1024}k context streamed from host "
+         "memory, batch 1", f"{stream['ms']:.1f} ms per step and layer ({stream_bus:.2f} of the pinned bus)",
+         "gpu-engine-level"),
         (f"Compressed decode, H200, {comp['context'] // 1024}k context in host memory, batch 1",
          f"{comp['ms']:.1f} ms per step and layer", "gpu-engine-level"),
         *gpu_vllm_readme_rows(load_optional(GPU_VLLM_DATA)),
@@ -680,6 +695,12 @@ def readme_results() -> str:
     lines = [README_BEGIN, "| result | measured | where |", "|---|---|---|",
              *(f"| {what} | {value} | [benchmarks]({link}{anchor}) |" for what, value, anchor in rows), README_END]
     return "\n".join(lines)
+
+
+def short_device(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'H100': the model as README's rows name it."""
+    words = name.replace("NVIDIA", "").split()
+    return words[0] if words else name
 
 
 def gpu_vllm_readme_rows(data: dict[str, Any] | None) -> list[tuple[str, str, str]]:
@@ -767,7 +788,11 @@ def images() -> dict[str, Callable[[Path], None]]:
     from tools import bench_gpu
 
     return {"cpu_decode.png": lambda p: cpu_plot(cpu, p), "e2e_decode.png": lambda p: e2e_plot(e2e, p),
-            "gpu_decode.png": lambda p: bench_gpu.plot(gpu, p), "decode_step.png": diagram}
+            # A later streamed run (GPU_STREAMED_DATA) is another run's figure: the plot of this run leaves its
+            # superseded streamed series out rather than mix the two.
+            "gpu_decode.png": lambda p: bench_gpu.plot({**gpu, "streamed": []} if load_optional(GPU_STREAMED_DATA)
+                                                       else gpu, p),
+            "decode_step.png": diagram}
 
 
 def pages() -> dict[Path, str]:
