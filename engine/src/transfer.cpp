@@ -10,6 +10,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <tuple>
 #include <utility>
 
@@ -47,6 +48,17 @@ void check_copy(const at::Tensor& src, const at::Tensor& dst, const std::vector<
   }
 }
 
+// The current stream of `device` waits for the work queued on `from` so far, and `tensors` (allocated on `from`) are
+// recorded on it, so the caching allocator reuses their memory only after the current stream's use.
+void join_current(const c10::Stream& from, at::Device device, std::initializer_list<at::Tensor> tensors) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream current = impl.getStream(device);
+  c10::Event done(device.type());
+  done.record(from);
+  done.block(current);
+  for (const auto& t : tensors) impl.recordDataPtrOnStream(t.storage().data_ptr(), current);
+}
+
 int64_t batch_bytes(const at::Tensor& src, size_t n) {
   return static_cast<int64_t>(n) * (src.numel() / std::max<int64_t>(src.size(0), 1)) *
          static_cast<int64_t>(src.element_size());
@@ -63,17 +75,12 @@ at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device) {
 
 at::Tensor index_tensor(const std::vector<int64_t>& ids, at::Device device, const c10::Stream* upload) {
   if (upload == nullptr || device.is_cpu()) return index_tensor(ids, device);
-  c10::impl::VirtualGuardImpl impl(device.type());
-  const c10::Stream current = impl.getStream(device);
   at::Tensor dev;
   {
     c10::StreamGuard guard(*upload);
     dev = index_tensor(ids, device);
   }
-  c10::Event uploaded(device.type());
-  uploaded.record(*upload);
-  uploaded.block(current);
-  impl.recordDataPtrOnStream(dev.storage().data_ptr(), current);  // allocated on `upload`, read on `current`
+  join_current(*upload, device, {dev});
   return dev;
 }
 
@@ -107,13 +114,7 @@ bool row_copy_fits(const void* src, const void* dst, int64_t row_bytes) {
 // SM's share of HBM, else index_copy_.
 void finish_on_compute(const at::Tensor& dst, const at::Tensor& dst_ids, const at::Tensor& buffer,
                        const c10::Stream& copy_stream) {
-  c10::impl::VirtualGuardImpl impl(dst.device().type());
-  const c10::Stream compute = impl.getStream(dst.device());
-  c10::Event copied(dst.device().type());
-  copied.record(copy_stream);
-  copied.block(compute);
-  impl.recordDataPtrOnStream(buffer.storage().data_ptr(), compute);
-  impl.recordDataPtrOnStream(dst_ids.storage().data_ptr(), compute);
+  join_current(copy_stream, dst.device(), {buffer, dst_ids});
   const int64_t row_bytes = buffer.size(1);
   if (row_copy_fits(buffer.data_ptr(), dst.data_ptr(), row_bytes)) {
     CudaGatherArgs args;
