@@ -259,12 +259,12 @@ void Engine::update_kv(int64_t layer, const at::Tensor& key, const at::Tensor& v
   ResidentDelta resident{resident_blocks_, kv_.layer(layer)};  // a rebind empties the layer's pool
   kv_.write(layer, host, key, value, slot_mapping, telemetry_, &step_slots_);
   telemetry_.add(Counter::kKvUpdateCalls);
-  if (copy_stream_.has_value() && host.is_cpu()) {
+  if (const c10::Stream* copy = tier_stream(host)) {
     // The write may still be queued on the compute stream: the copy stream's later gathers of the host tier wait for
     // it on the device, a CPU gather (staged transfer) on the host.
     if (!host_written_.has_value()) host_written_.emplace(device_.type());
     host_written_->record(c10::impl::VirtualGuardImpl(device_.type()).getStream(device_));
-    host_written_->block(*copy_stream_);
+    host_written_->block(*copy);
     host_write_pending_ = true;
   }
 }
@@ -315,7 +315,7 @@ void Engine::forward(int64_t layer, const StepPlan& step_plan, const at::Tensor&
                               : std::vector<RowSelection>();
   const auto out3 = output.view({output.size(0), h, d});
   LayerStep step{plan, L, in_place() ? host : L.pool, query, out3, scale, selections};
-  if (copy_stream_.has_value() && host.is_cpu()) step.upload = &*copy_stream_;
+  step.upload = tier_stream(host);
   // The decode batch (StepPlan::batch): its rows in one launch when every block they read is on the device: in place,
   // or all resident in the pool (touched as admitting them would, no copy; the kernel finds their slots in the page
   // table on the device). Launched before any admission of the other rows, so a slot those evict is overwritten on
@@ -396,14 +396,14 @@ std::vector<int64_t> Engine::admit_unit(LayerState& L, const at::Tensor& host, U
   pinned.insert(pinned.end(), adm.slots.begin(), adm.slots.end());
   if (!adm.miss_blocks.empty()) {
     int64_t bytes = 0;
-    if (copy_stream_.has_value() && host.is_cpu()) {  // tiered
+    if (const c10::Stream* copy = tier_stream(host)) {
       if (config_.transfer == Transfer::kStaged && host_write_pending_) {
         host_written_->synchronize();  // the CPU gather reads what the device wrote
         host_write_pending_ = false;
       }
       bytes = config_.transfer == Transfer::kMapped
-                  ? copy_blocks_mapped_unchecked(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy_stream_)
-                  : copy_blocks_staged(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy_stream_);
+                  ? copy_blocks_mapped_unchecked(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy)
+                  : copy_blocks_staged(host, L.pool, adm.miss_blocks, adm.miss_slots, *copy);
     } else {
       bytes = copy_blocks(host, L.pool, adm.miss_blocks, adm.miss_slots);
     }

@@ -185,6 +185,10 @@ class Engine {
   /// throws), the missing blocks copied from the host tier, the admission counters added. @return the unit's slots
   std::vector<int64_t> admit_unit(LayerState& L, const at::Tensor& host, UnitBlocks blocks,
                                   std::vector<int64_t>& pinned);
+  /// The copy stream where `host` is a tiered host tier (pinned CPU memory behind a CUDA pool), else nullptr.
+  const c10::Stream* tier_stream(const at::Tensor& host) const {
+    return copy_stream_.has_value() && host.is_cpu() ? &*copy_stream_ : nullptr;
+  }
 
   EngineConfig config_;
   at::Device device_;
