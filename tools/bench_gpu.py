@@ -465,14 +465,20 @@ def compressed_decode(batch: int, ctx: int, budget: int, tile_blocks: int, kerne
             "pool_over_batch_union": pool_blocks / max(1e-9, batch * union_timed)}
 
 
+def batch_context(shape: str) -> tuple[int, int]:
+    """'BATCHxCONTEXT' (context in tokens or with a k suffix, any case) -> (batch, context); ValueError when either is
+    not an integer. The breakdown parsers check the ranges."""
+    b, c = shape.lower().split("x")
+    return int(b), int(c[:-1]) * 1024 if c.endswith("k") else int(c)
+
+
 def parse_breakdown(spec: str) -> tuple[int, int, str]:
     """'BATCHxCONTEXT[:QUERIES]' (context in tokens or with a k suffix, queries random or drift) -> (batch, context,
     queries); e.g. '16x32k', '16x131072:drift'."""
     shape, _, queries = spec.partition(":")
     queries = queries or "random"
     try:
-        b, c = shape.lower().split("x")
-        batch, ctx = int(b), int(c[:-1]) * 1024 if c.endswith("k") else int(c)
+        batch, ctx = batch_context(shape)
     except ValueError:
         msg = f"expected BATCHxCONTEXT[:random|drift] such as 16x32k, got {spec!r}"
         raise argparse.ArgumentTypeError(msg) from None
@@ -570,11 +576,9 @@ def parse_streamed(spec: str) -> tuple[int, int, int]:
     """'BATCHxCONTEXT[:TILE]' (context in tokens or with a k suffix, tile in blocks, default 256) -> (batch, context,
     tile); e.g. '1x128k:256', '1x32k:128'."""
     msg = f"expected BATCHxCONTEXT[:TILE] such as 1x128k:256 (TILE in blocks), got {spec!r}"
-    head, sep, tile = spec.lower().partition(":")
-    b, _, c = head.partition("x")
+    head, sep, tile = spec.partition(":")
     try:
-        batch = int(b)
-        ctx = int(c[:-1]) * 1024 if c.endswith("k") else int(c)
+        batch, ctx = batch_context(head)
         tile_blocks = int(tile) if sep else 256
     except ValueError:
         raise argparse.ArgumentTypeError(msg) from None
