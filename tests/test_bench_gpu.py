@@ -240,7 +240,8 @@ def test_breakdown_table_has_a_row_per_profile_with_the_admitted_bytes_bus_time(
 def test_blocks_table_shows_the_gather_kernel_alone_and_dashes_data_without_it() -> None:
     res = older_data()
     for r in res["blocks"]:  # as data from before the kernel-alone, in-order and forced-read columns
-        for key in ("gather_kernel_GBps", "mapped_in_order_GBps", "mapped_dma_GBps", "mapped_gather_GBps"):
+        for key in ("gather_kernel_GBps", "mapped_in_order_GBps", "mapped_dma_GBps", "mapped_gather_GBps",
+                    "mapped_back_to_back_GBps"):
             r.pop(key, None)
     res["blocks"][0]["gather_kernel_GBps"] = 51.0
     lines = bench_gpu.blocks_table(res)
@@ -249,10 +250,14 @@ def test_blocks_table_shows_the_gather_kernel_alone_and_dashes_data_without_it()
     assert len(rows) == len(res["blocks"]) and lines[1].count("---") == len(names)
     assert rows[0]["its kernel alone GB/s"] == "51.0"
     assert {r["its kernel alone GB/s"] for r in rows[1:]} == {"-"}
-    assert {r[c] for r in rows for c in ("in order GB/s", "copy engines GB/s", "gather kernel GB/s")} == {"-"}
-    res["blocks"][1].update(mapped_in_order_GBps=45.5, mapped_dma_GBps=25.7, mapped_gather_GBps=42.3)
+    assert {r[c] for r in rows for c in ("back to back GB/s", "in order GB/s", "copy engines GB/s",
+                                         "gather kernel GB/s")} == {"-"}
+    res["blocks"][1].update(mapped_in_order_GBps=45.5, mapped_dma_GBps=25.7, mapped_gather_GBps=42.3,
+                            mapped_back_to_back_GBps=46.25)
     row = dict(zip(names, [c.strip() for c in bench_gpu.blocks_table(res)[3].strip("|").split("|")], strict=True))
-    assert (row["in order GB/s"], row["copy engines GB/s"], row["gather kernel GB/s"]) == ("45.5", "25.7", "42.3")
+    assert (row["back to back GB/s"], row["in order GB/s"], row["copy engines GB/s"], row["gather kernel GB/s"]) == (
+        "46.2", "45.5", "25.7", "42.3")
+    assert row["copy_blocks_mapped GB/s"] == f"{res['blocks'][1]['mapped_GBps']:.1f}"
 
 
 def test_committed_data_renders_its_breakdown_rows() -> None:

@@ -513,6 +513,8 @@ def gpu_section(gpu: dict[str, Any], later: dict[str, Any] | None = None) -> lis
         "\"in order\" the same bytes as one run of consecutive blocks). "
         f"Target: 16 KiB blocks at 45 GB/s; measured {small['mapped_GBps']:.1f} GB/s mapped, the whole call one at "
         "a time"
+        + (f", {small['mapped_back_to_back_GBps']:.1f} GB/s with calls back to back as the engine issues them (each "
+           "call's host work beside the last one's device work)" if small.get("mapped_back_to_back_GBps") else "")
         + (f", its gather kernel alone {small['gather_kernel_GBps']:.1f} GB/s (the call's host work and its scatter "
            "into the destination, on the compute stream, run before and after the kernel)"
            if small.get("gather_kernel_GBps") else "") + ".", "",
