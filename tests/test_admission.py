@@ -41,6 +41,39 @@ def test_parse_unknown_mode(name: str) -> None:
         admission.parse_mode(name)
 
 
+# --- compressed-mode counts ------------------------------------------------------------------------------------------
+
+BIG = 2 ** 63 - 1
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"sink_blocks": BIG, "recent_blocks": BIG, "budget_tokens": 16}, r"recent_blocks must be in \[1, 2\^40\]"),
+    ({"sink_blocks": 3, "recent_blocks": BIG, "budget_tokens": 16}, r"recent_blocks must be in \[1, 2\^40\]"),
+    ({"sink_blocks": BIG, "budget_tokens": 2048}, rf"sink_blocks must be in \[0, 2\^40\], got {BIG}"),
+    ({"budget_tokens": BIG}, rf"budget_tokens must be in \[0, 2\^40\], got {BIG}"),
+    ({"budget_tokens": 2 ** 40 + 16}, r"budget_tokens must be in \[0, 2\^40\]"),
+    ({"budget_tokens": -16}, r"budget_tokens must be in \[0, 2\^40\], got -16"),
+])
+def test_engine_refuses_counts_whose_sums_would_overflow(options: dict, match: str) -> None:
+    """Counts over 2^40 are refused by name before k = budget / block - sink - recent is formed (an int64 overflow
+    there once gave a 'valid' top_k and an IndexError at the first forward)."""
+    from activekv import _backend
+
+    with pytest.raises(ValueError, match=match):
+        _backend.Engine(2, 8, 2, 64, 16, torch.float32, pool_blocks=64, tile_blocks=2, mode="compressed", **options)
+
+
+@pytest.mark.parametrize(("counts", "match"), [
+    ((2 ** 62, 2 ** 62, 1), r"sink_blocks must be in \[0, 2\^40\], got 4611686018427387904"),
+    ((1, 0, 1), r"recent_blocks must be in \[1, 2\^40\]"),
+    ((1, 2, 2 ** 41), r"top_k must be in \[1, 2\^40\], got 2199023255552"),
+])
+def test_select_blocks_refuses_out_of_range_counts(counts: tuple[int, int, int], match: str) -> None:
+    q, meta = torch.randn(1, 8, 64), torch.zeros(16, 2, 64)
+    with pytest.raises(ValueError, match=match):
+        admission.select_blocks(q, meta, meta, torch.arange(16), *counts)
+
+
 # --- exact tiles ---------------------------------------------------------------------------------------------------
 
 ROW = torch.randperm(64, generator=torch.Generator().manual_seed(0))[:11].to(torch.int32)

@@ -178,7 +178,7 @@ BAD_OPTIONS = [
      r"budget_tokens \(48\) must cover sink_blocks \+ recent_blocks \+ one block = 64 tokens"),
     ({"mode": "compressed", "budget_tokens": 256, "pool_blocks": 20}, ValueError,
      r"pool_blocks \(20\) must hold the worst-case union .* = 29 blocks"),
-    ({"mode": "compressed", "recent_blocks": 0}, ValueError, "recent_blocks must be >= 1"),
+    ({"mode": "compressed", "recent_blocks": 0}, ValueError, r"recent_blocks must be in \[1, 2\^40\]"),
     ({"mode": "compressed", "sink_blocks": -1}, ValueError, r"sink_blocks.\] must be in \[0, 2\^40\], got -1"),
     ({"pool_blocks": 2, "tile_blocks": 4}, ValueError, r"pool_blocks \(2\) must be >= tile_blocks \(4\)"),
     ({"pool_blocks": "8"}, TypeError, "pool_blocks'\\] must be an int"),

@@ -59,9 +59,7 @@ PYBIND11_MODULE(_admission, m) {
       [](const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max, const at::Tensor& row_blocks,
          int64_t sink_blocks, int64_t recent_blocks, int64_t top_k, bool native_scores) {
         check_quest_inputs(q, key_min, key_max, row_blocks, "row_blocks", native_scores);
-        TORCH_CHECK_VALUE(sink_blocks >= 0 && recent_blocks >= 1 && top_k >= 1,
-                          "need sink_blocks >= 0, recent_blocks >= 1, top_k >= 1, got ", sink_blocks, ", ",
-                          recent_blocks, ", ", top_k);
+        activekv::check_selection(activekv::Selection{sink_blocks, recent_blocks, top_k});
         const auto kmin = native_scores ? key_min.contiguous() : key_min;
         const auto kmax = native_scores ? key_max.contiguous() : key_max;
         return activekv::select_blocks(q, kmin, kmax, row_blocks,

@@ -54,13 +54,20 @@ const char* engine_torch_version() { return ACTIVEKV_TORCH_VERSION; }
 
 int64_t worst_case_union_blocks(const EngineConfig& c) {
   const auto& g = c.geometry;
-  AKV_CHECK_VALUE(c.recent_blocks >= 1, "recent_blocks must be >= 1 (the decode token's own block), got ",
-                  c.recent_blocks);
-  AKV_CHECK_VALUE(c.sink_blocks >= 0, "sink_blocks must be >= 0, got ", c.sink_blocks);
+  // Each count at most 2^40 (the options' range), so the sums and products below stay in int64.
+  AKV_CHECK_VALUE(c.recent_blocks >= 1 && c.recent_blocks <= kMaxSelectionCount,
+                  "recent_blocks must be in [1, 2^40] (the decode token's own block), got ", c.recent_blocks);
+  AKV_CHECK_VALUE(c.sink_blocks >= 0 && c.sink_blocks <= kMaxSelectionCount, "sink_blocks must be in [0, 2^40], got ",
+                  c.sink_blocks);
+  AKV_CHECK_VALUE(c.budget_tokens >= 0 && c.budget_tokens <= kMaxSelectionCount,
+                  "budget_tokens must be in [0, 2^40], got ", c.budget_tokens);
   const int64_t k = c.budget_tokens / g.block_size - c.sink_blocks - c.recent_blocks;
   AKV_CHECK_VALUE(k >= 1, "budget_tokens (", c.budget_tokens, ") must cover sink_blocks + recent_blocks + one block = ",
                   (c.sink_blocks + c.recent_blocks + 1) * g.block_size, " tokens at block_size ", g.block_size);
-  return g.num_kv_heads * k + c.sink_blocks + c.recent_blocks;
+  int64_t heads_k = 0;
+  AKV_CHECK_VALUE(!__builtin_mul_overflow(g.num_kv_heads, k, &heads_k) && heads_k <= kMaxSelectionCount,
+                  "num_kv_heads * k = ", g.num_kv_heads, " * ", k, " blocks must stay below 2^40");
+  return heads_k + c.sink_blocks + c.recent_blocks;
 }
 
 Transfer parse_transfer(const std::string& name) {

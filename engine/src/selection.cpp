@@ -110,6 +110,14 @@ at::Tensor select_native(const at::Tensor& score, int64_t nb, const Selection& s
 }
 }  // namespace
 
+void check_selection(const Selection& sel) {
+  AKV_CHECK_VALUE(sel.sink_blocks >= 0 && sel.sink_blocks <= kMaxSelectionCount,
+                  "sink_blocks must be in [0, 2^40], got ", sel.sink_blocks);
+  AKV_CHECK_VALUE(sel.recent_blocks >= 1 && sel.recent_blocks <= kMaxSelectionCount,
+                  "recent_blocks must be in [1, 2^40] (the decode token's own block), got ", sel.recent_blocks);
+  AKV_CHECK_VALUE(sel.top_k >= 1 && sel.top_k <= kMaxSelectionCount, "top_k must be in [1, 2^40], got ", sel.top_k);
+}
+
 at::Tensor select_blocks(const at::Tensor& q, const at::Tensor& key_min, const at::Tensor& key_max,
                          const at::Tensor& row_blocks, const Selection& sel, bool native_scores) {
   RECORD_FUNCTION("activekv::select_blocks", std::vector<c10::IValue>());

@@ -34,6 +34,12 @@ struct Selection {
   int64_t per_head() const { return sink_blocks + top_k + recent_blocks; }
 };
 
+/// Counts a selection takes, at most 2^40 each (so their sums and products with a geometry's sizes stay in int64).
+constexpr int64_t kMaxSelectionCount = int64_t{1} << 40;
+
+/// @throws c10::ValueError unless sink_blocks is in [0, 2^40], recent_blocks and top_k in [1, 2^40].
+void check_selection(const Selection& sel);
+
 /// Select the blocks of one decode row, per KV head.
 /// @param q [1, num_heads, head_size] the row's query (any float dtype; scored in float32)
 /// @param key_min, key_max [host_blocks, num_kv_heads, head_size] per-block key metadata of the layer, float32,
