@@ -121,6 +121,22 @@ def test_the_patched_venv_vllm_passes() -> None:
     assert _backend.check_patch_series(str(VENV_SITE / "vllm"), str(DEFAULT_PATCHES))["state"] == "applied"
 
 
+def test_the_check_and_the_marker_take_path_objects() -> None:
+    assert _backend.check_patch_series(VENV_SITE, INSTALLED_SERIES)["state"] == "applied"
+    assert _backend.verified_marker(VENV_SITE) == _backend.verified_marker(str(VENV_SITE), str(INSTALLED_SERIES))
+
+
+@pytest.mark.parametrize("call", [_backend.check_patch_series, _backend.verified_marker])
+def test_a_path_with_a_nul_is_refused_not_cut_at_the_nul(call) -> None:
+    # The C library would read each path up to the NUL: the first, the venv's vLLM, would pass as the check's tree.
+    with pytest.raises(ValueError, match=r"vllm_dir must be a directory path without NUL characters, got '.*\\x00"):
+        call(str(VENV_SITE) + "\0/nonexistent")
+    with pytest.raises(ValueError, match=r"patch_dir must be a directory path without NUL characters"):
+        call(str(VENV_SITE), str(INSTALLED_SERIES) + "\0junk")
+    with pytest.raises(TypeError, match=r"vllm_dir must be a str or os.PathLike, got 3"):
+        call(3)
+
+
 def test_an_unpatched_vllm_raises_with_the_fix(tmp_path: Path) -> None:
     site = vllm_tree.copy_as_installed(tmp_path / "site")
     before = digest(site)

@@ -128,13 +128,7 @@ activekv::OptionValues activekv_options(const py::handle& vllm_config) {
       } else {
         TORCH_CHECK_TYPE(py::isinstance<py::str>(v), what, " must be a str, got ", std::string(py::repr(v)));
         // A path's bytes as Python's os functions would use them (a name of undecodable bytes is a valid path).
-        const auto bytes = activekv::py_glue::fs_path_of(v);
-        TORCH_CHECK_VALUE(bytes.has_value(), what, " must be a path os.fsencode() can encode, got ",
-                          std::string(py::repr(v)));
-        // The C library reads a path up to its first NUL: '/tmp/run\0.json' would check and write '/tmp/run'.
-        TORCH_CHECK_VALUE(bytes->find('\0') == std::string::npos, what,
-                          " must be a file path without NUL characters, got ", std::string(py::repr(v)));
-        out[key] = *bytes;
+        out[key] = activekv::py_glue::path_arg(v, what, "file path");
       }
     }
   }

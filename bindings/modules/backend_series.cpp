@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "patch_series.h"
 #include "startup.h"
@@ -65,6 +66,14 @@ bool stat_logger_module_missing() {
   return ::access(module.c_str(), F_OK) != 0;
 }
 
+// check_patch_series' and verified_marker's arguments as directory paths: {vllm_dir, patch_dir}, patch_dir None
+// meaning the series installed with this module.
+std::pair<std::string, std::string> series_args(const py::object& vllm_dir, const py::object& patch_dir) {
+  return {activekv::py_glue::path_arg(vllm_dir, "vllm_dir", "directory path"),
+          patch_dir.is_none() ? installed_patch_dir()
+                              : activekv::py_glue::path_arg(patch_dir, "patch_dir", "directory path")};
+}
+
 }  // namespace
 
 void require_patched_vllm() {
@@ -75,8 +84,8 @@ void require_patched_vllm() {
 void register_series(py::module_& m) {
   m.def(
       "check_patch_series",
-      [](const std::string& vllm_dir, std::optional<std::string> patch_dir) {
-        const std::string dir = patch_dir ? *patch_dir : installed_patch_dir();
+      [](const py::object& vllm_arg, const py::object& patch_arg) {
+        const auto [vllm_dir, dir] = series_args(vllm_arg, patch_arg);
         series::SeriesVerdict v;
         {
           py::gil_scoped_release release;
@@ -95,15 +104,16 @@ void register_series(py::module_& m) {
       "The check the backend runs once at start-up (first Impl or Builder) on the vLLM this process imported: the "
       "vLLM tree at vllm_dir (a directory holding vllm/, or the vllm package directory) must be vLLM "
       ACTIVEKV_VLLM_PATCH_VERSION " with every patch of the series in patch_dir applied (default: the series installed "
-      "with this module, <activekv>/patches/vllm/v" ACTIVEKV_VLLM_PATCH_VERSION "). Returns {vllm_root, vllm_version, "
-      "patch_dir, patches, state='applied'}. Raises RuntimeError naming what was expected, what was found (each "
-      "patch: applied, not applied, or matching neither side) and the fix; also when the check cannot run (no vllm "
+      "with this module, <activekv>/patches/vllm/v" ACTIVEKV_VLLM_PATCH_VERSION "); both a str or os.PathLike "
+      "without NUL characters. Returns {vllm_root, vllm_version, patch_dir, patches, state='applied'}. Raises "
+      "RuntimeError naming what was expected, what was found (each patch: applied, not applied, or matching neither "
+      "side) and the fix; also when the check cannot run (no vllm "
       "package there, no series, git missing). Runs `git apply --check`; changes nothing.");
   m.def(
       "verified_marker",
-      [](const std::string& vllm_dir, std::optional<std::string> patch_dir) {
+      [](const py::object& vllm_arg, const py::object& patch_arg) {
         namespace s = series;
-        const std::string dir = patch_dir ? *patch_dir : installed_patch_dir();
+        const auto [vllm_dir, dir] = series_args(vllm_arg, patch_arg);
         std::string marker, error;
         {
           py::gil_scoped_release release;
@@ -118,9 +128,10 @@ void register_series(py::module_& m) {
       },
       py::arg("vllm_dir"), py::arg("patch_dir") = py::none(),
       "The ACTIVEKV_PATCH_VERIFIED value `activekv serve` / `run-batch` export after their patch series check passed "
-      "on the vLLM tree at vllm_dir (a directory holding vllm/, or the vllm package directory; str) with the series in "
-      "patch_dir (str; default: the series installed with this module), computed from the files as they are now by "
-      "the launcher's own function (series/patch_series.h, verified_marker): no check runs, no git. Returns "
+      "on the vLLM tree at vllm_dir (a directory holding vllm/, or the vllm package directory) with the series in "
+      "patch_dir (default: the series installed with this module), both a str or os.PathLike without NUL "
+      "characters, computed from the files as they are now by the launcher's own function (series/patch_series.h, "
+      "verified_marker): no check runs, no git. Returns "
       "a str 'v1;vllm=" ACTIVEKV_VLLM_PATCH_VERSION ";state=fnv1a64:<16 hex digits>;tree=<root>;series=<series "
       "dir>' (real paths; state is the FNV-1a 64-bit digest of the series and of the tree's files it touches), or '' "
       "where a path cannot be written in that form (';' or a control character in it: the launcher exports no value "

@@ -40,6 +40,24 @@ inline std::optional<std::string> fs_path_of(const py::handle& s) {
   return out;
 }
 
+/// A path argument as the C library will read it: `v` a str, bytes or os.PathLike (os.fspath's rule), a str taken as
+/// os.fsencode() encodes it (fs_path_of), with no NUL character (the C library stops at the first: 'a\0b' would name
+/// 'a'). @throws c10::TypeError / c10::ValueError naming `what` and the `kind` of path the caller expects.
+inline std::string path_arg(const py::handle& v, const std::string& what, const char* kind = "path") {
+  const auto repr = [&] { return std::string(py::repr(v)); };
+  PyObject* fs = PyOS_FSPath(v.ptr());  // new reference: str or bytes, or nullptr with an error set
+  if (fs == nullptr) PyErr_Clear();
+  TORCH_CHECK_TYPE(fs != nullptr, what, " must be a str or os.PathLike, got ", repr());
+  const auto path = py::reinterpret_steal<py::object>(fs);
+  const auto bytes = PyBytes_Check(fs) ? std::optional<std::string>(std::string(
+                                             PyBytes_AS_STRING(fs), static_cast<size_t>(PyBytes_GET_SIZE(fs))))
+                                       : fs_path_of(path);
+  TORCH_CHECK_VALUE(bytes.has_value(), what, " must be a path os.fsencode() can encode, got ", repr());
+  TORCH_CHECK_VALUE(bytes->find('\0') == std::string::npos, what, " must be a ", kind, " without NUL characters, got ",
+                    repr());
+  return *bytes;
+}
+
 /// c10::TypeError -> TypeError, c10::ValueError -> ValueError, c10::IndexError -> IndexError,
 /// c10::NotImplementedError -> NotImplementedError, other c10::Error -> RuntimeError; messages without backtraces.
 inline void register_exceptions(py::module_& m) {
