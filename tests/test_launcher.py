@@ -183,9 +183,15 @@ def test_serve_help_is_activekvs_part_then_vllms() -> None:
 
 @pytest.mark.parametrize(
     "args, message",
-    [([], "usage: activekv"), (["bogus"], "unknown command 'bogus'"), (["help", "bogus"], "no such command: bogus"), (["version", "-x"], "unrecognized argument"),
-     (["patch"], "the command (apply, check, revert or status) is required"), (["patch", "apply", "--vllm"],
-                                                                              "--vllm needs DIR")],
+    [([], "usage: activekv"), (["bogus"], "unknown command 'bogus'"), (["help", "bogus"], "no such command: bogus"),
+     (["version", "-x"], "unrecognized argument"),
+     (["patch"], "the command (apply, check, revert or status) is required"),
+     (["patch", "apply", "--vllm"], "--vllm needs DIR"),
+     # A known command with something after it: the extra argument is the fault, not the command.
+     (["help", "serve", "--foo"], "`help` takes one command name, got extra arguments after serve (for `serve`'s own "
+      "options: activekv serve --help)"),
+     (["help", "version", "extra"], "`help` takes one command name, got extra arguments after version"),
+     (["help", "bogus", "extra"], "no such command: bogus")],
 )
 def test_bad_usage_exits_2(args: list[str], message: str) -> None:
     done = akv(*args)

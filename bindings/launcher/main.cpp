@@ -231,7 +231,8 @@ bool print_command_help(const std::string& command) {
   } else if (command == "patch") {
     std::fputs("usage: activekv patch {apply,check,revert,status} [--vllm DIR] [--patches DIR]\n"
                "\n"
-               "  apply    apply the patch series to the vLLM of this environment (idempotent)\n"
+               "  apply    apply the patch series to the vLLM of this environment (refused, exit 1, when it is\n"
+               "           already applied: `activekv patch check || activekv patch apply` applies it once)\n"
                "  check    exit 0 when the series is applied, 1 when not\n"
                "  revert   take the series out again\n"
                "  status   applied, not applied or partially applied, patch by patch\n"
@@ -267,6 +268,11 @@ bool print_command_help(const std::string& command) {
 
 bool is_help(const char* a) { return std::strcmp(a, "-h") == 0 || std::strcmp(a, "--help") == 0; }
 
+/// The commands `activekv help COMMAND` names (print_command_help's).
+bool is_command(const std::string& c) {
+  return c == "version" || c == "patch" || c == "plugins" || c == "serve" || c == "run-batch" || c == "help";
+}
+
 }  // namespace
 }  // namespace activekv::launcher
 
@@ -300,8 +306,14 @@ int main(int argc, char** argv) {
         print_command_help(argv[2])) {
       return 0;
     }
-    if (argc > 3 || (std::strcmp(argv[2], "serve") != 0 && std::strcmp(argv[2], "run-batch") != 0)) {
+    if (!is_command(argv[2])) {
       std::fprintf(stderr, "usage: activekv help [COMMAND]\nactivekv: error: no such command: %s\n", argv[2]);
+      return 2;
+    }
+    if (argc > 3) {
+      std::fprintf(stderr, "usage: activekv help [COMMAND]\nactivekv: error: `help` takes one command name, got "
+                   "extra arguments after %s (for `%s`'s own options: activekv %s --help)\n", argv[2], argv[2],
+                   argv[2]);
       return 2;
     }
   }
