@@ -11,7 +11,7 @@ sequence lengths beyond the geometry, mismatched batch sizes, extreme integers. 
   the argument, and nothing changed (KV cache bytes, pool, page table, telemetry counters);
 - a mutation marked "must reject" that is accepted is a failure.
 
-Example counts: ACTIVEKV_FUZZ_EXAMPLES (default 40 per case, derandomized so CI is repeatable); setting it also
+Example counts: ACTIVEKV_FUZZ_EXAMPLES (default 300 per case, derandomized so CI is repeatable); setting it also
 switches to random exploration (ACTIVEKV_FUZZ_SEED fixes the seed).
 """
 

@@ -2,12 +2,13 @@
 
 Usage::
 
-    python -m tools.contracts check --vllm-src DIR [--patches DIR] [--contracts FILE]
-    python -m tools.contracts list  --vllm-src DIR [--patches DIR] [--contracts FILE]
+    python -m tools.contracts check [--vllm-src DIR] [--patches DIR] [--contracts FILE]
+    python -m tools.contracts list  [--vllm-src DIR] [--patches DIR] [--contracts FILE]
 
 ``DIR`` holds the reference ``vllm/`` (the unpatched vLLM 0.32.0 tree; a tree with the series applied is accepted and
-read through a reverted copy of the touched files). The other side is made on a copy by the native launcher
-(``activekv patch``, tools.vllm_patch.materialize), so ``make build`` comes first. ``--patches`` defaults to
+read through a reverted copy of the touched files); by default the reference tree of ``tools/vllm_tree.py``
+(``build/vllm-ref``, made when missing), as ``tools.census`` takes it. The other side is made on a copy by the native
+launcher (``activekv patch``, tools.vllm_patch.materialize), so ``make build`` comes first. ``--patches`` defaults to
 ``patches/vllm/v0.32.0`` and ``--contracts`` to ``contracts.toml`` in it. ``check`` prints one line per problem and
 exits 1 when there is one, else prints a summary and exits 0. ``list`` prints each added Python line with its kind
 (tab-separated).
@@ -633,12 +634,17 @@ def _check_pair(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.contracts", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["check", "list"])
-    parser.add_argument("--vllm-src", required=True, type=Path, metavar="DIR", help="reference tree holding vllm/")
+    parser.add_argument("--vllm-src", type=Path, metavar="DIR",
+                        help="reference tree holding vllm/ (default: build/vllm-ref, made when missing)")
     parser.add_argument("--patches", type=Path, default=DEFAULT_PATCHES, metavar="DIR", help="patch series directory")
     parser.add_argument("--contracts", type=Path, metavar="FILE", help="default: contracts.toml in --patches")
     args = parser.parse_args(argv)
     contracts_path = args.contracts or args.patches / "contracts.toml"
     try:
+        if args.vllm_src is None:
+            from tools.vllm_tree import reference_tree
+
+            args.vllm_src = reference_tree()
         series = Series.load(args.patches)
         report = check(args.vllm_src.resolve(), series, contracts_path)
     except PatchError as e:
