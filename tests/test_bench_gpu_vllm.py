@@ -407,7 +407,11 @@ def test_docs_render_a_run_and_say_not_yet_measured_without_one(tmp_path: Path,
     assert any(line.startswith("Measured: streaming every block from pinned host memory reaches 0.01 of the pinned "
                                "bus") for line in section)
     [row] = docs.gpu_vllm_readme_rows(result)
-    assert row[1] == "streamed from host memory: 0.01 of the pinned bus" and row[2] == "vllm-end-to-end-gpu"
+    spans = (f"{min(result['setup']['contexts']) // 1024}k-{max(result['setup']['contexts']) // 1024}k, batch "
+             + " and ".join(map(str, sorted(result["setup"]["batches"]))))
+    assert row[1] == f"streamed from host memory ({spans}): 0.01 of the pinned bus" and row[2] == "vllm-end-to-end-gpu"
+    # the row names the card the run measured on, as the run's JSON does
+    assert row[0].startswith(f"vLLM decode, {docs.short_device(result['device']['name'])}, 32k context"), row[0]
     # the page with the run committed beside the other data: its section and index row, within the page's rules
     data = tmp_path / "data"
     data.mkdir()

@@ -530,8 +530,8 @@ GPU_VLLM_DATA = "bench_gpu_vllm.json"
 
 
 def gpu_vllm_section(data: dict[str, Any] | None) -> list[str]:
-    """vLLM's decode on the H200, TRITON_ATTN against ActiveKV: the measured tables when `data` holds a run, else what
-    the benchmark runs and how to measure it, with no figure."""
+    """vLLM's decode on the device tool's GPU, TRITON_ATTN against ActiveKV: the measured tables when `data` holds a
+    run, else what the benchmark runs and how to measure it, with no figure."""
     from tools import bench_gpu_vllm as b
 
     if data is None:
@@ -542,9 +542,11 @@ def gpu_vllm_section(data: dict[str, Any] | None) -> list[str]:
         main, setup = b.ModelSpec(**{k: data["models"]["main"][k] for k in (
             "layers", "heads", "kv_heads", "head_size", "hidden", "intermediate")}), data["setup"]
     steps, batches = setup["steps"], sorted(setup["batches"], reverse=True)
+    gpu_name = short_device(data["device"].get("name", "GPU")) if data and data.get("device") else "GPU"
     lines = [
         "## vLLM end to end, GPU", "",
-        "vLLM 0.32.0 decoding on the device's H200, in process and eagerly (the vLLM-on-GPU harness), stock "
+        f"vLLM 0.32.0 decoding on the device tool's {gpu_name}, in process and eagerly (the vLLM-on-GPU harness), "
+        "stock "
         f"TRITON_ATTN against ActiveKV at {', '.join(_k(c) for c in setup['contexts'])} context, batch "
         f"{' and '.join(map(str, batches))}, on a random Llama ({main.describe()}): decode tokens/s, and per step "
         "the time attention holds the stream.", "",
@@ -565,7 +567,8 @@ def gpu_vllm_section(data: dict[str, Any] | None) -> list[str]:
                         f"({h['resident_ms'] / h['triton_ms']:.2f}x; target: at most 1.1x)")
         if h["streamed_bus"] is not None:
             said.append("streaming every block from pinned host memory reaches "
-                        f"{_range(h['streamed_bus'], '{:.2f}')} of the pinned bus (target: 0.85)")
+                        f"{_range(h['streamed_bus'], '{:.2f}')} of the pinned bus over the contexts and batches "
+                        "measured (target: 0.85)")
         if h["shares"]:
             said.append("stock TRITON_ATTN's attention is " + " and ".join(
                 f"{share:.2f} of its step on the {'breakdown model' if model == 'heavy' else 'benchmark model'}"
@@ -684,13 +687,15 @@ def readme_results() -> str:
          f"{' and '.join(e2e['setup']['dtypes'])}, vLLM {e2e['setup']['mode']} mode; load average "
          f"{e2e['machine']['load_average'][0]:.0f} on {e2e['machine']['nproc']} cores)",
          "vllm-end-to-end-cpu"),
-        (f"Exact decode, H200, {longest // 1024}k context in place on the device, batch 1 / 16, vs SDPA flash",
+        (f"Exact decode, {short_device(gpu['device'])}, {longest // 1024}k context in place on the device, "
+         "batch 1 / 16, vs SDPA flash",
          " / ".join(f"{r['ms']:.3f} ms ({sdpa[(b, longest)]['ms'] / r['ms']:.2f} of its KV read rate)"
                     for b, r in sorted(resident.items())) + " per step and layer", "gpu-engine-level"),
         (f"Exact decode, {short_device(sgpu['device'])}, {stream['context'] // 1024}k context streamed from host "
          "memory, batch 1", f"{stream['ms']:.1f} ms per step and layer ({stream_bus:.2f} of the pinned bus)",
          "gpu-engine-level"),
-        (f"Compressed decode, H200, {comp['context'] // 1024}k context in host memory, batch 1",
+        (f"Compressed decode, {short_device(gpu['device'])}, {comp['context'] // 1024}k context in host memory, "
+         "batch 1",
          f"{comp['ms']:.1f} ms per step and layer", "gpu-engine-level"),
         *gpu_vllm_readme_rows(load_optional(GPU_VLLM_DATA)),
     ]
@@ -717,10 +722,13 @@ def gpu_vllm_readme_rows(data: dict[str, Any] | None) -> list[tuple[str, str, st
         said.append(f"ActiveKV exact, batch resident: {h['resident_ms']:.2f} ms against TRITON_ATTN's "
                     f"{h['triton_ms']:.2f} ms ({h['resident_ms'] / h['triton_ms']:.2f}x)")
     if h["streamed_bus"] is not None:
-        said.append(f"streamed from host memory: {_range(h['streamed_bus'], '{:.2f}')} of the pinned bus")
+        spans = f"{_k(min(data['setup']['contexts']))}-{_k(max(data['setup']['contexts']))}, batch " + " and ".join(
+            map(str, sorted(data["setup"]["batches"])))
+        said.append(f"streamed from host memory ({spans}): {_range(h['streamed_bus'], '{:.2f}')} of the pinned bus")
     if not said:
         return []
-    return [("vLLM decode, H200, 32k context, batch 8: attention per step (eager, random Llama)", "; ".join(said),
+    device = short_device(data.get("device", {}).get("name", "GPU"))
+    return [(f"vLLM decode, {device}, 32k context, batch 8: attention per step (eager, random Llama)", "; ".join(said),
              "vllm-end-to-end-gpu")]
 
 
