@@ -304,13 +304,20 @@ GOOD_KV = torch.zeros(3, 2, 2, 4, 8)
         (GOOD_Q, GOOD_KV, 1, 1, r"need num_q_tokens \(2\) <= seq_len \(1\) <= num_blocks \* block_size \(12\)"),
         (GOOD_Q, GOOD_KV, 13, 1, r"need num_q_tokens \(2\) <= seq_len \(13\) <= num_blocks \* block_size \(12\)"),
         (GOOD_Q, torch.zeros(0, 2, 2, 4, 8), 2, 1, r"<= num_blocks \* block_size \(0\)"),
+        (torch.zeros(2, 0, 8), GOOD_KV, 5, 1, r"q must have num_heads > 0, got \[2, 0, 8\]"),
     ],
     ids=["q_2d", "q_4d", "kv_4d", "kv_not_k_and_v", "kv_head_size", "gqa_ratio", "no_kv_heads", "tile_zero",
-         "tile_negative", "empty_query", "seq_shorter_than_query", "seq_past_kv", "empty_kv"],
+         "tile_negative", "empty_query", "seq_shorter_than_query", "seq_past_kv", "empty_kv", "no_query_heads"],
 )
 def test_invalid_shapes(q: torch.Tensor, kv: torch.Tensor, seq_len: int, tile_blocks: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         attention.tiled_attention(q, kv, seq_len, tile_blocks, 1.0)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_scale_is_refused_as_the_engine_refuses_it(scale: float) -> None:
+    with pytest.raises(ValueError, match="scale must be a finite number, got "):
+        attention.tiled_attention(GOOD_Q, GOOD_KV, 5, 1, scale)
 
 
 @pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.int32, torch.float32), (torch.float32, torch.int64),

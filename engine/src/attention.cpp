@@ -6,6 +6,7 @@
 
 #include <ATen/TensorIndexing.h>
 
+#include <cmath>
 #include <limits>
 
 namespace activekv {
@@ -98,9 +99,11 @@ at::Tensor tiled_attention(const at::Tensor& q, const at::Tensor& kv, int64_t se
   AKV_CHECK_VALUE(kv.dim() == 5 && kv.size(2) == 2 && kv.size(4) == q.size(2),
                   "kv must be [num_blocks, num_kv_heads, 2, block_size, head_size] with head_size ", q.size(2),
                   ", got ", shape_str(kv.sizes()));
+  AKV_CHECK_VALUE(q.size(1) > 0, "q must have num_heads > 0, got ", shape_str(q.sizes()));
   AKV_CHECK_VALUE(kv.size(1) > 0 && q.size(1) % kv.size(1) == 0, "num_heads (", q.size(1),
                   ") must be a multiple of num_kv_heads (", kv.size(1), ")");
   AKV_CHECK_VALUE(tile_blocks > 0, "tile_blocks must be > 0, got ", tile_blocks);
+  AKV_CHECK_VALUE(std::isfinite(scale), "scale must be a finite number, got ", scale);
   AKV_CHECK_TYPE(q.is_floating_point() && kv.is_floating_point(), "q and kv must be floating-point tensors, got ",
                  q.scalar_type(), " and ", kv.scalar_type());
   AKV_CHECK_VALUE(kv.device() == q.device(), "kv must be on q's device ", q.device(), ", got ", kv.device());
