@@ -364,6 +364,19 @@ def test_impl_rejects_bad_head_counts_and_sizes() -> None:
         backend.Impl(H, 48, 0.1, KVH)
 
 
+@pytest.mark.parametrize("config", [None, 3, SimpleNamespace()])
+def test_check_config_without_a_vllm_config_is_a_type_error(config: object) -> None:
+    with pytest.raises(TypeError, match=r"vllm_config must be vLLM's VllmConfig \(with an additional_config\), got "):
+        backend.check_config(config)
+
+
+def test_builder_rejects_the_head_sizes_impl_rejects() -> None:
+    """A KV-cache spec of a head size Impl refuses is refused by the Builder too, with the same message."""
+    bad = SimpleNamespace(**{**vars(spec()), "head_size": 72})
+    with pytest.raises(NotImplementedError, match=r"supports head sizes .* got 72"):
+        backend.Builder(bad, LAYERS, vllm_config({"pool_blocks": 4}), torch.device("cpu"))
+
+
 def test_build_rejects_non_causal_and_bad_metadata(builder: backend.Builder) -> None:
     with pytest.raises(NotImplementedError, match="causal attention only"):
         builder.build(0, common_metadata([0, 1], [1], [[0]], [0], causal=False))

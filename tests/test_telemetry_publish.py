@@ -152,6 +152,12 @@ def test_collector_exposes_prometheus_families_that_move(seg_dir: dict[str, str]
     assert value("activekv_engines") == engines0
 
 
+@pytest.mark.parametrize("config", [None, 3, SimpleNamespace()])
+def test_stat_logger_without_a_vllm_config_is_a_type_error(config: object) -> None:
+    with pytest.raises(TypeError, match=r"vllm_config must be vLLM's VllmConfig \(with a model_config\), got "):
+        telemetry.StatLogger(config, [0], lambda: None)
+
+
 def test_stat_logger_registers_once_with_the_registry_vllm_serves() -> None:
     prometheus_client = pytest.importorskip("prometheus_client")
     registry = prometheus_client.CollectorRegistry()

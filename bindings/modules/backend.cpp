@@ -48,6 +48,14 @@ struct Impl {
   activekv::LayerBindings engines;
 };
 
+// The head sizes vLLM may ask the backend for (supported_head_sizes); Impl and Builder both refuse any other.
+void check_head_size(int64_t head_size) {
+  const auto sizes = activekv::supported_head_sizes();
+  TORCH_CHECK_NOT_IMPLEMENTED(std::find(sizes.begin(), sizes.end(), head_size) != sizes.end(),
+                              "ActiveKV's vLLM backend supports head sizes ", c10::IntArrayRef(sizes), ", got ",
+                              head_size);
+}
+
 Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object num_kv_heads, py::object alibi_slopes,
                py::object sliding_window, const std::string& kv_cache_dtype, py::object logits_soft_cap,
                py::object attn_type, py::object kv_sharing_target_layer_name, py::object sinks) {
@@ -73,10 +81,7 @@ Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object nu
       num_kv_heads.is_none() ? num_heads : cast_named<int64_t>(num_kv_heads, "num_kv_heads", "an int or None");
   TORCH_CHECK_VALUE(num_heads > 0 && kvh > 0 && num_heads % kvh == 0,
                     "num_heads must be a positive multiple of num_kv_heads, got ", num_heads, " and ", kvh);
-  const auto sizes = activekv::supported_head_sizes();
-  TORCH_CHECK_NOT_IMPLEMENTED(std::find(sizes.begin(), sizes.end(), head_size) != sizes.end(),
-                              "ActiveKV's vLLM backend supports head sizes ", c10::IntArrayRef(sizes), ", got ",
-                              head_size);
+  check_head_size(head_size);
   return Impl{num_heads, head_size, scale, kvh, kv_cache_dtype, at, {}};
 }
 
@@ -85,6 +90,9 @@ Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object nu
 /// that is no mapping belongs to someone else and carries no ActiveKV options; a mapping of another type
 /// (MappingProxyType, ...) that names "activekv" is refused rather than silently ignored. Start-up only.
 activekv::OptionValues activekv_options(const py::handle& vllm_config) {
+  TORCH_CHECK_TYPE(py::hasattr(vllm_config, "additional_config"),
+                   "vllm_config must be vLLM's VllmConfig (with an additional_config), got ",
+                   std::string(py::repr(vllm_config)));
   py::object extra = vllm_config.attr("additional_config");
   if (extra.is_none()) return {};
   if (!py::isinstance<py::dict>(extra)) {
@@ -239,6 +247,7 @@ Builder make_builder(const py::handle& kv_cache_spec, const std::vector<std::str
   group.block_size = attr_as<int64_t>(kv_cache_spec, "kv_cache_spec", "block_size", "an int");
   group.num_kv_heads = attr_as<int64_t>(kv_cache_spec, "kv_cache_spec", "num_kv_heads", "an int");
   group.head_size = attr_as<int64_t>(kv_cache_spec, "kv_cache_spec", "head_size", "an int");
+  check_head_size(group.head_size);
   group.dtype = attr_as<at::ScalarType>(kv_cache_spec, "kv_cache_spec", "dtype", "a torch.dtype");
   if (py::hasattr(kv_cache_spec, "sliding_window")) {
     TORCH_CHECK_NOT_IMPLEMENTED(kv_cache_spec.attr("sliding_window").is_none(),

@@ -231,6 +231,9 @@ PYBIND11_MODULE(_telemetry, m) {
                          "processes that end with os._exit; record() and log_engine_initialized() do nothing: the "
                          "values are read from the engines at scrape time, never pushed per step.")
       .def(py::init([](py::object vllm_config, py::object engine_indexes, py::object registry_getter) {
+             TORCH_CHECK_TYPE(py::hasattr(vllm_config, "model_config"),
+                              "vllm_config must be vLLM's VllmConfig (with a model_config), got ",
+                              std::string(py::repr(vllm_config)));
              py::object collector = py::cast(Collector{model_labels(vllm_config)});
              // telemetry_json of engine-core processes that end with os._exit: this process writes the path its own
              // configuration names (vLLM hands the engine core the same one), never one read from a segment.
