@@ -63,6 +63,20 @@ def test_engine_refuses_counts_whose_sums_would_overflow(options: dict, match: s
         _backend.Engine(2, 8, 2, 64, 16, torch.float32, pool_blocks=64, tile_blocks=2, mode="compressed", **options)
 
 
+def test_engine_refuses_cpu_pools_larger_than_the_machine_before_allocating() -> None:
+    """A direct Engine whose CPU pools exceed physical memory is refused by name (it was killed by the OOM killer
+    while allocating them), as the same pool given through vLLM's options is."""
+    import os
+
+    from activekv import _backend
+
+    block_bytes, layers = 2 * 2 * 16 * 64 * 4, 2  # K and V of 2 KV heads x 16 tokens x 64 floats, per layer
+    pool = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (block_bytes * layers) + 1
+    with pytest.raises(ValueError, match=rf"pool_blocks = {pool} needs .* GiB of pools \(2 layers, 16384 bytes per "
+                                         r"block\), more than this machine's memory"):
+        _backend.Engine(layers, 8, 2, 64, 16, torch.float32, pool_blocks=pool, tile_blocks=2)
+
+
 @pytest.mark.parametrize(("counts", "match"), [
     ((2 ** 62, 2 ** 62, 1), r"sink_blocks must be in \[0, 2\^40\], got 4611686018427387904"),
     ((1, 0, 1), r"recent_blocks must be in \[1, 2\^40\]"),

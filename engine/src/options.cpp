@@ -183,16 +183,8 @@ int64_t kernel_block_size(int64_t cache_block_size) {
 
 void check_backend_options(const OptionValues& options, const KvCacheGroup& group) {
   const EngineConfig cfg = backend_config(options, group).engine;
+  check_pool_fits_memory(cfg, group.device, option_label("pool_blocks"));  // by the option's name, before the engine's
   check_engine_config(cfg, group.device);
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  if (!group.device.is_cpu() || cfg.pool_blocks == 0 || pages <= 0 || page <= 0) return;
-  const auto gib = [](long double bytes) { return static_cast<double>(bytes / (1024.0L * 1024.0L * 1024.0L)); };
-  const long double need = static_cast<long double>(cfg.pool_blocks) * cfg.geometry.bytes_per_block() *
-                           cfg.geometry.num_layers;
-  const long double have = static_cast<long double>(pages) * page;
-  AKV_CHECK_VALUE(need <= have, option_label("pool_blocks"), " = ", cfg.pool_blocks, " needs ", gib(need),
-                  " GiB of pools (", cfg.geometry.num_layers, " layers, ", cfg.geometry.bytes_per_block(),
-                  " bytes per block), more than this machine's memory (", gib(have), " GiB)");
 }
 
 std::shared_ptr<Engine> make_backend_engine(const BackendConfig& config, const std::vector<std::string>& layer_names,
