@@ -332,14 +332,14 @@ def test_breakdown_profiles_the_steps_and_writes_its_tables_and_summary(tmp_path
         (a @ a).sum()
 
     def setup(batch, ctx, budget, tile_blocks, queries, steps, kernel="native", a=bench_gpu.DRIFT_A):
-        assert (batch, ctx, budget, queries, a) == (16, 32768, 2048, "drift", 0.9) and steps >= 4 + 2 * 4
+        assert (batch, ctx, budget, queries, a) == (16, 32768, 2048, "drift", 0.9) and steps >= bench_gpu.COMPRESSED_WARMUP + 2 * 4
         return eng, step, 16048, steps
 
     monkeypatch.setattr(bench_gpu, "compressed_setup", setup)
     monkeypatch.setattr(bench_gpu.torch.cuda, "synchronize", lambda: None)
     summary = bench_gpu.compressed_breakdown(16, 32768, "drift", tmp_path, a=0.9)
     assert summary["drift_a"] == 0.9
-    assert eng.calls == 4 + 4 + 4  # warm-up, unprofiled, profiled
+    assert eng.calls == bench_gpu.COMPRESSED_WARMUP + 4 + 4  # warm-up, unprofiled, profiled
     assert summary["union_blocks_per_row"] == 900 and summary["pool_over_batch_union"] == pytest.approx(16048 / 14400)
     assert (summary["admitted_per_step"], summary["evicted_per_step"], summary["hit_per_step"]) == (1440, 1000, 12960)
     assert summary["forward_cpu_ms_per_step"] > 0 and summary["device_ms_per_step"] == 0  # no GPU: no device events
@@ -367,7 +367,7 @@ def test_compressed_decode_keeps_its_keys_and_adds_the_timed_steps_counters(monk
     eng.snapshot = cold_snapshot
 
     def setup(batch, ctx, budget, tile_blocks, queries, steps, kernel="native", a=bench_gpu.DRIFT_A):
-        assert steps >= 4 + 3 * 4 + 1 + 4  # a new drifting query for every call, device timing included
+        assert steps >= bench_gpu.COMPRESSED_WARMUP + 3 * 4 + 1 + 4  # a new drifting query for every call
         return eng, step, 16048, steps
 
     def event_ms(fn, calls, reps=5, warmup=3):
@@ -388,8 +388,10 @@ def test_compressed_decode_keeps_its_keys_and_adds_the_timed_steps_counters(monk
     assert {"batch", "context", "kernel", "ms", "union_blocks_per_row", "admitted_per_step"} <= set(r)
     assert (r["batch"], r["context"], r["ms"], r["kernel_ms"], r["queries"], r["drift_a"]) == (16, 32768, 40.0, 30.0,
                                                                                                 "drift", 0.9)
-    assert r["timed_steps"] == 12 and eng.calls == 4 + 12 + 5
-    assert r["admitted_per_step"] == 1440 + 4 * 1440 * 4 / 16  # every call before the device timing, cold included
+    w = bench_gpu.COMPRESSED_WARMUP
+    assert r["timed_steps"] == 12 and eng.calls == w + 12 + 5
+    # every call before the device timing, the cold ones included
+    assert r["admitted_per_step"] == pytest.approx(1440 + 4 * 1440 * 4 / (w + 12))
     assert r["admitted_per_step_timed"] == 1440 and r["admitted_union_ratio"] == pytest.approx(1440 / (16 * 900))
     assert (r["evicted_per_step_timed"], r["hit_per_step_timed"]) == (1000, 12960)
     assert r["union_blocks_per_row_timed"] == 900 and r["selected_blocks_per_row_timed"] == 1003

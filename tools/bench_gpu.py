@@ -432,13 +432,19 @@ def compressed_setup(batch: int, ctx: int, budget: int, tile_blocks: int, querie
     return eng, step, pool_blocks, qs.shape[0]
 
 
+# Compressed steps run before any timing. Back-to-back steps after setup run slower for a dozen or so calls (H100,
+# 16x32k drift: 11.87 ms per step by events over calls 5-16 after 4 warm-up calls, 7.47 over calls 29-40; 128k 15.7
+# throughout) while the caching allocators grow to what steps in flight together hold; 16 reach the steady state.
+COMPRESSED_WARMUP = 16
+
+
 def compressed_decode(batch: int, ctx: int, budget: int, tile_blocks: int, kernel: str = "native",
                       queries: str = "random", a: float = DRIFT_A) -> dict:
     """Compressed decode: `warmup` calls, then CUDA events over `reps` runs of `calls` back-to-back calls (the timed
     steps), then the kernels' device time of `calls` more. Per-step counters come from the engine's snapshot: over
     every call before the device timing (admitted_per_step, union_blocks_per_row, as always reported) and over the
     timed steps only (*_timed, the steady state once the pool is warm)."""
-    warmup, calls, reps = 4, 4, 3
+    warmup, calls, reps = COMPRESSED_WARMUP, 4, 3
     eng, step, pool_blocks, distinct = compressed_setup(batch, ctx, budget, tile_blocks, queries,
                                                         warmup + reps * calls + 1 + calls, kernel, a)
     for _ in range(warmup):
@@ -496,13 +502,13 @@ BREAKDOWN_DEFAULT = ("16x32k", "16x128k")
 
 def compressed_breakdown(batch: int, ctx: int, queries: str, out: Path, calls: int = 4, top: int = 15,
                          a: float = DRIFT_A) -> dict:
-    """torch.profiler (CPU and CUDA activities) around `calls` compressed forwards after 4 warm-up calls, each inside
-    a record_function range "bench::engine_forward" (its self CPU time is the engine's host work outside ATen ops and
-    its own named ranges). Writes the top `top` rows by self CPU time and by self CUDA time to a text file under `out`;
+    """torch.profiler (CPU and CUDA activities) around `calls` compressed forwards after COMPRESSED_WARMUP calls, each
+    inside a record_function range "bench::engine_forward" (its self CPU time is the engine's host work outside ATen
+    ops and its own named ranges). Writes the top `top` rows by self CPU time and by self CUDA time to a text file under `out`;
     returns a summary (per step: wall time, profiled device time, counters) for the JSON."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    warmup = 4
+    warmup = COMPRESSED_WARMUP
     eng, step, pool_blocks, _ = compressed_setup(batch, ctx, 2048, 64, queries, warmup + 2 * calls, a=a)
     for _ in range(warmup):
         step()
