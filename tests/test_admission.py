@@ -75,6 +75,10 @@ def test_engine_refuses_cpu_pools_larger_than_the_machine_before_allocating() ->
     with pytest.raises(ValueError, match=rf"pool_blocks = {pool} needs .* GiB of pools \(2 layers, 16384 bytes per "
                                          r"block\), more than this machine's memory"):
         _backend.Engine(layers, 8, 2, 64, 16, torch.float32, pool_blocks=pool, tile_blocks=2)
+    from activekv import _kv_state  # the pools' owner, constructed on its own
+
+    with pytest.raises(ValueError, match=rf"pool_blocks = {pool} needs .* more than this machine's memory"):
+        _kv_state.KVState(layers, 8, 2, 64, 16, torch.float32, pool, torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("counts", "match"), [

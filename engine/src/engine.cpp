@@ -7,7 +7,6 @@
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
@@ -97,7 +96,7 @@ void check_engine_config(const EngineConfig& c, at::Device device) {
                     ") must be >= tile_blocks (", c.geometry.tile_blocks,
                     "): the pool must hold one whole tile to stream a context through it");
   }
-  check_pool_fits_memory(c, device, "pool_blocks");
+  check_pools_fit_memory(c.geometry, c.pool_blocks, device, "pool_blocks");
   if (c.mode != Mode::kCompressed) return;
   const int64_t need = worst_case_union_blocks(c);
   AKV_CHECK_VALUE(c.placement == Placement::kInPlace || c.pool_blocks >= need, "pool_blocks (", c.pool_blocks,
@@ -105,18 +104,6 @@ void check_engine_config(const EngineConfig& c, at::Device device) {
                   "sink_blocks + recent_blocks = ", need, " blocks");
   AKV_CHECK_VALUE(c.dense_layers >= 0 && c.dense_layers <= c.geometry.num_layers,
                   "dense_layers must be in [0, num_layers = ", c.geometry.num_layers, "], got ", c.dense_layers);
-}
-
-void check_pool_fits_memory(const EngineConfig& c, at::Device device, const std::string& label) {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  if (!device.is_cpu() || c.pool_blocks == 0 || pages <= 0 || page <= 0) return;
-  const auto gib = [](long double bytes) { return static_cast<double>(bytes / (1024.0L * 1024.0L * 1024.0L)); };
-  const long double need = static_cast<long double>(c.pool_blocks) * c.geometry.bytes_per_block() *
-                           c.geometry.num_layers;
-  const long double have = static_cast<long double>(pages) * page;
-  AKV_CHECK_VALUE(need <= have, label, " = ", c.pool_blocks, " needs ", gib(need), " GiB of pools (",
-                  c.geometry.num_layers, " layers, ", c.geometry.bytes_per_block(),
-                  " bytes per block), more than this machine's memory (", gib(have), " GiB)");
 }
 
 namespace {

@@ -1,7 +1,8 @@
 // Geometry (geometry.h): the supported shapes, the geometry's checks and arithmetic (slots, blocks, bytes, cache
-// shapes), and viewing vLLM's per-layer KV cache in ActiveKV's block layout.
+// shapes), viewing vLLM's per-layer KV cache in ActiveKV's block layout, CPU pools against physical memory.
 #include <activekv/check.h>
 #include <activekv/geometry.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <sstream>
@@ -93,6 +94,17 @@ at::Tensor as_block_layout(const Geometry& g, const at::Tensor& kv_cache, const 
                   "got strides ", shape_str(kv_cache.strides()));
   check_in_storage(kv_cache, name);
   return kv_cache.view(g.kv_cache_shape(nb));
+}
+
+void check_pools_fit_memory(const Geometry& g, int64_t pool_blocks, at::Device device, const std::string& label) {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (!device.is_cpu() || pool_blocks <= 0 || pages <= 0 || page <= 0) return;
+  const auto gib = [](long double bytes) { return static_cast<double>(bytes / (1024.0L * 1024.0L * 1024.0L)); };
+  const long double need = static_cast<long double>(pool_blocks) * g.bytes_per_block() * g.num_layers;
+  const long double have = static_cast<long double>(pages) * page;
+  AKV_CHECK_VALUE(need <= have, label, " = ", pool_blocks, " needs ", gib(need), " GiB of pools (", g.num_layers,
+                  " layers, ", g.bytes_per_block(), " bytes per block), more than this machine's memory (", gib(have),
+                  " GiB)");
 }
 
 }  // namespace activekv

@@ -110,6 +110,7 @@ KVState::KVState(const Geometry& g, int64_t pool_blocks, at::Device device, bool
     : g_(g), pool_blocks_(pool_blocks), device_(device), key_metadata_(key_metadata) {
   AKV_CHECK_VALUE(pool_blocks >= 0, "pool_blocks must be >= 0 (0: no pool, for placement in place), got ",
                   pool_blocks);
+  check_pools_fit_memory(g, pool_blocks, device, "pool_blocks");
   layers_.resize(g.num_layers);
   int64_t bytes = 0;
   AKV_CHECK_VALUE(!__builtin_mul_overflow(pool_blocks, g.bytes_per_block(), &bytes), "pool_blocks (", pool_blocks,

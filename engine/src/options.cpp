@@ -183,7 +183,7 @@ int64_t kernel_block_size(int64_t cache_block_size) {
 
 void check_backend_options(const OptionValues& options, const KvCacheGroup& group) {
   const EngineConfig cfg = backend_config(options, group).engine;
-  check_pool_fits_memory(cfg, group.device, option_label("pool_blocks"));  // by the option's name, before the engine's
+  check_pools_fit_memory(cfg.geometry, cfg.pool_blocks, group.device, option_label("pool_blocks"));  // named first
   check_engine_config(cfg, group.device);
 }
 

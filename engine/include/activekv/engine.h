@@ -87,10 +87,6 @@ int64_t worst_case_union_blocks(const EngineConfig& config);
 /// @throws c10::ValueError as Engine's constructor.
 void check_engine_config(const EngineConfig& config, at::Device device);
 
-/// A CPU pool's bytes (pool_blocks x bytes per block x layers) against this machine's physical memory; `label` names
-/// pool_blocks in the message (the option's spelling where options gave it). Nothing for a device pool or no pool.
-/// @throws c10::ValueError when the pools would not fit (allocating them would end in the kernel's OOM killer).
-void check_pool_fits_memory(const EngineConfig& config, at::Device device, const std::string& label);
 
 class ForwardPath;  // forward_path.h (private to the engine)
 
@@ -102,7 +98,7 @@ class Engine {
   ///         device is neither the CPU nor CUDA or pool_blocks is not 0; in compressed mode also if recent_blocks < 1,
   ///         sink_blocks < 0, budget_tokens < (sink_blocks + recent_blocks + 1) * block_size, dense_layers outside
   ///         [0, num_layers], or (with a pool) pool_blocks < worst_case_union_blocks; on the CPU if the pools exceed
-///         the machine's physical memory (check_pool_fits_memory).
+///         the machine's physical memory (check_pools_fit_memory, geometry.h).
   /// @param device the pool's device. On CPU the host tier (each layer's kv_cache) is CPU memory too. On a CUDA device
   ///        it is either that device's memory (resident; in place it must be) or pinned CPU memory (tiered: admitted
   ///        blocks move host-to-device on a copy stream, transfer.h; KV updates write the new tokens back to the host

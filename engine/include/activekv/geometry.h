@@ -14,6 +14,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -71,5 +72,11 @@ at::Tensor as_block_layout(const Geometry& g, const at::Tensor& kv_cache, const 
 
 /// Human-readable shape, e.g. "[4, 2, 16]", for error messages.
 std::string shape_str(at::IntArrayRef sizes);
+
+/// CPU pools of `pool_blocks` blocks per layer (pool_blocks x bytes_per_block x num_layers) against this machine's
+/// physical memory; `label` names pool_blocks in the message (the option's spelling where options gave it). Nothing
+/// for a device pool or no pool. Checked before the pools are allocated (KVState, Engine, the options).
+/// @throws c10::ValueError when they would not fit (allocating them would end in the kernel's OOM killer).
+void check_pools_fit_memory(const Geometry& g, int64_t pool_blocks, at::Device device, const std::string& label);
 
 }  // namespace activekv
