@@ -839,7 +839,7 @@ def fuzz_builder(options, bad, block_size_kind, dtype) -> None:
     if bad is not None:
         options[bad[0]] = bad[1]
     bs = {"int": 4, "str": "4", "none": None, "float": 4.0, "tensor": torch.tensor([4, 4])}[block_size_kind]
-    spec = SimpleNamespace(block_size=bs, num_kv_heads=2, head_size=8, dtype=dtype, sliding_window=None)
+    spec = SimpleNamespace(block_size=bs, num_kv_heads=2, head_size=32, dtype=dtype, sliding_window=None)
     names = tuple(f"['{k}']" for k in options) + ("kv_cache_spec", "pool_blocks",
                                                    "budget_tokens", "additional_config['activekv']: mode",
                                                    "additional_config['activekv']: kernel")

@@ -373,7 +373,8 @@ def test_check_config_without_a_vllm_config_is_a_type_error(config: object) -> N
 def test_builder_rejects_the_head_sizes_impl_rejects() -> None:
     """A KV-cache spec of a head size Impl refuses is refused by the Builder too, with the same message."""
     bad = SimpleNamespace(**{**vars(spec()), "head_size": 72})
-    with pytest.raises(NotImplementedError, match=r"supports head sizes .* got 72"):
+    with pytest.raises(NotImplementedError, match=r"^kv_cache_spec.head_size: ActiveKV's vLLM backend supports head "
+                                                  r"sizes .* got 72"):
         backend.Builder(bad, LAYERS, vllm_config({"pool_blocks": 4}), torch.device("cpu"))
 
 

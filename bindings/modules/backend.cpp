@@ -48,11 +48,12 @@ struct Impl {
   activekv::LayerBindings engines;
 };
 
-// The head sizes vLLM may ask the backend for (supported_head_sizes); Impl and Builder both refuse any other.
-void check_head_size(int64_t head_size) {
+// The head sizes vLLM may ask the backend for (supported_head_sizes); Impl and Builder both refuse any other, the
+// message naming where the size came from (`what`).
+void check_head_size(int64_t head_size, const char* what) {
   const auto sizes = activekv::supported_head_sizes();
-  TORCH_CHECK_NOT_IMPLEMENTED(std::find(sizes.begin(), sizes.end(), head_size) != sizes.end(),
-                              "ActiveKV's vLLM backend supports head sizes ", c10::IntArrayRef(sizes), ", got ",
+  TORCH_CHECK_NOT_IMPLEMENTED(std::find(sizes.begin(), sizes.end(), head_size) != sizes.end(), what,
+                              ": ActiveKV's vLLM backend supports head sizes ", c10::IntArrayRef(sizes), ", got ",
                               head_size);
 }
 
@@ -81,7 +82,7 @@ Impl make_impl(int64_t num_heads, int64_t head_size, double scale, py::object nu
       num_kv_heads.is_none() ? num_heads : cast_named<int64_t>(num_kv_heads, "num_kv_heads", "an int or None");
   TORCH_CHECK_VALUE(num_heads > 0 && kvh > 0 && num_heads % kvh == 0,
                     "num_heads must be a positive multiple of num_kv_heads, got ", num_heads, " and ", kvh);
-  check_head_size(head_size);
+  check_head_size(head_size, "head_size");
   return Impl{num_heads, head_size, scale, kvh, kv_cache_dtype, at, {}};
 }
 
@@ -247,7 +248,7 @@ Builder make_builder(const py::handle& kv_cache_spec, const std::vector<std::str
   group.block_size = attr_as<int64_t>(kv_cache_spec, "kv_cache_spec", "block_size", "an int");
   group.num_kv_heads = attr_as<int64_t>(kv_cache_spec, "kv_cache_spec", "num_kv_heads", "an int");
   group.head_size = attr_as<int64_t>(kv_cache_spec, "kv_cache_spec", "head_size", "an int");
-  check_head_size(group.head_size);
+  check_head_size(group.head_size, "kv_cache_spec.head_size");
   group.dtype = attr_as<at::ScalarType>(kv_cache_spec, "kv_cache_spec", "dtype", "a torch.dtype");
   if (py::hasattr(kv_cache_spec, "sliding_window")) {
     TORCH_CHECK_NOT_IMPLEMENTED(kv_cache_spec.attr("sliding_window").is_none(),
