@@ -207,6 +207,65 @@ def test_telemetry_json_is_validated(value: object, error: type, match: str) -> 
         backend.Builder(SPEC, ["l0"], vllm_config({"telemetry_json": value}), torch.device("cpu"))
 
 
+def test_telemetry_json_that_is_not_a_regular_file_is_refused_and_left_as_it_is(tmp_path: Path) -> None:
+    """The shutdown write renames a new file over the path: a FIFO, a device or a symbolic link there would be
+    replaced (as root, /dev/null became a JSON file; a FIFO stands in for a device here, the same branch). Each is
+    refused at start-up, and stays what it was."""
+    fifo, target, link = tmp_path / "fifo", tmp_path / "target.json", tmp_path / "link.json"
+    os.mkfifo(fifo)
+    target.write_text("{}")
+    link.symlink_to(target)
+    cases = [(fifo, r"must name a regular file, got '.*/fifo' \(a device, FIFO or socket: the snapshot would "
+                    r"replace it\)"),
+             (link, r"must name a regular file, got '.*/link\.json' \(a symbolic link: the snapshot would replace the "
+                    r"link, not write its target; name the target\)")]
+    for path, match in cases:
+        with pytest.raises(ValueError, match=match):
+            backend.Builder(SPEC, ["l0"], vllm_config({"telemetry_json": str(path)}), torch.device("cpu"))
+    assert fifo.is_fifo() and link.is_symlink() and target.read_text() == "{}"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write any file: access(W_OK) holds")
+def test_telemetry_json_naming_a_file_this_process_may_not_write_is_refused(tmp_path: Path) -> None:
+    ro = tmp_path / "ro.json"
+    ro.write_text("{}")
+    ro.chmod(0o444)
+    with pytest.raises(ValueError, match=r"must name a file this process may write, got '.*/ro\.json' \(Permission "
+                                         r"denied\)"):
+        backend.Builder(SPEC, ["l0"], vllm_config({"telemetry_json": str(ro)}), torch.device("cpu"))
+
+
+def test_telemetry_json_keeps_an_existing_files_permissions_and_never_replaces_a_fifo(tmp_path: Path) -> None:
+    """A private (0600) file stays private after the snapshot replaces it; a FIFO put at the path after start-up is
+    not replaced: one line on stderr says so, without a C++ backtrace, once (the engine's destructor and the exit
+    writer both meet it)."""
+    private, later = tmp_path / "private.json", tmp_path / "later.json"
+    private.write_text("{}")
+    private.chmod(0o600)
+    code = textwrap.dedent(
+        f"""
+        import gc, os, torch
+        import activekv._backend as backend
+        from tests.test_telemetry_publish import SPEC, vllm_config
+        a = backend.Builder(SPEC, ["l0"], vllm_config({{"telemetry_json": {str(private)!r}}}), torch.device("cpu"))
+        b = backend.Builder(SPEC, ["l0"], vllm_config({{"telemetry_json": {str(later)!r}}}), torch.device("cpu"))
+        os.mkfifo({str(later)!r})  # after the start-up check
+        del a, b
+        gc.collect()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(private.read_text())["info"]["num_layers"] == 1
+    assert private.stat().st_mode & 0o777 == 0o600
+    assert later.is_fifo()
+    lines = [line for line in done.stderr.splitlines() if "later.json" in line]
+    assert lines == [f"activekv: cannot write ActiveKV telemetry to {later}: it is no longer a regular file (a device, "
+                     "FIFO, socket, directory or symbolic link is never replaced); nothing written"], done.stderr
+    assert "Exception raised from" not in done.stderr and "frame #" not in done.stderr, done.stderr
+    assert not list(tmp_path.glob("*.tmp.*"))
+
+
 def test_telemetry_json_may_name_a_file_of_undecodable_bytes(tmp_path: Path) -> None:
     # os.fsdecode(b"run-\xff.json") is "run-\udcff.json": a valid path, written under its bytes.
     out = os.path.join(os.fsdecode(bytes(tmp_path)), os.fsdecode(b"run-\xff.json"))

@@ -45,14 +45,24 @@ int64_t option_int(const OptionValues& options, const std::string& name, int64_t
   return x;
 }
 
-// The telemetry_json path can be written at shutdown: a file name in an existing, writable folder, not a folder.
+// The telemetry_json path can be written at shutdown: a new file or a regular file this process may write, in an
+// existing, writable folder. The write renames a new file over the path, which would replace whatever is there: a
+// device (/dev/null), a FIFO or a symbolic link (the link, not its target) is refused here, by name.
 void check_telemetry_json(const std::string& path) {
   const std::string label = option_label("telemetry_json");
   AKV_CHECK_VALUE(!path.empty() && path.back() != '/', label, " must be a file path, got '", path, "'");
   struct stat target {};
-  // A directory would only fail at shutdown (the rename over it), where no one sees the error.
-  AKV_CHECK_VALUE(::stat(path.c_str(), &target) != 0 || !S_ISDIR(target.st_mode), label, " must name a file, got '",
-                  path, "' (an existing directory)");
+  if (::lstat(path.c_str(), &target) == 0) {
+    // A directory would only fail at shutdown (the rename over it), where no one sees the error.
+    AKV_CHECK_VALUE(!S_ISDIR(target.st_mode), label, " must name a file, got '", path, "' (an existing directory)");
+    AKV_CHECK_VALUE(!S_ISLNK(target.st_mode), label, " must name a regular file, got '", path,
+                    "' (a symbolic link: the snapshot would replace the link, not write its target; name the "
+                    "target)");
+    AKV_CHECK_VALUE(S_ISREG(target.st_mode), label, " must name a regular file, got '", path,
+                    "' (a device, FIFO or socket: the snapshot would replace it)");
+    AKV_CHECK_VALUE(::access(path.c_str(), W_OK) == 0, label, " must name a file this process may write, got '",
+                    path, "' (", std::strerror(errno), ")");
+  }
   const auto slash = path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
   struct stat st {};

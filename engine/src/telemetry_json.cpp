@@ -62,10 +62,19 @@ void write_json_file(const std::string& path, const std::vector<TelemetrySnapsho
     }
     done += static_cast<size_t>(n);
   }
+  // What the rename would replace: only a regular file (start-up refused anything else, check_telemetry_json; this
+  // catches what appeared since: a device, FIFO or link would be replaced by the snapshot). Its permission bits go
+  // to the snapshot, so a private (0600) file stays private.
+  struct stat old {};
+  const bool exists = err == 0 && ::lstat(path.c_str(), &old) == 0;
+  const bool regular = !exists || S_ISREG(old.st_mode);
+  if (exists && regular && ::fchmod(fd, old.st_mode & 07777) != 0 && err == 0) err = errno;
   if (::close(fd) != 0 && err == 0) err = errno;
-  if (err == 0 && std::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
-  if (err != 0) {
+  if (err == 0 && regular && std::rename(tmp.c_str(), path.c_str()) != 0) err = errno;
+  if (err != 0 || !regular) {
     ::unlink(tmp.c_str());
+    TORCH_CHECK(regular, "cannot write ActiveKV telemetry to ", path, ": it is no longer a regular file (a device, "
+                "FIFO, socket, directory or symbolic link is never replaced); nothing written");
     TORCH_CHECK(false, "cannot write ActiveKV telemetry to ", path, " (through ", tmp, "): ", std::strerror(err));
   }
 }
@@ -88,7 +97,7 @@ void write_all_json_at_exit() {
     try {
       write_json_locked(r, path);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "activekv: %s\n", e.what());
+      warn_once_locked(r, error_text(e));  // once, though the engine's destructor may have met it already
     }
   }
 }

@@ -75,11 +75,17 @@ bool proc_stat(int64_t pid, int64_t* ppid, int64_t* start_ticks) {
 
 void warn_once(const std::string& message) {
   auto& r = registry();
-  {
-    std::lock_guard<std::mutex> lock(r.mu);
-    if (!r.warned.insert(message).second) return;
-  }
-  std::fprintf(stderr, "activekv: %s\n", message.c_str());
+  std::lock_guard<std::mutex> lock(r.mu);
+  warn_once_locked(r, message);
+}
+
+void warn_once_locked(Registry& r, const std::string& message) {
+  if (r.warned.insert(message).second) std::fprintf(stderr, "activekv: %s\n", message.c_str());
+}
+
+std::string error_text(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  return c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
 }
 
 void observe(TelemetryPage::Hist& h, double value) {
@@ -306,7 +312,7 @@ Telemetry::~Telemetry() {
       try {
         write_json_locked(r, json_path_);
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "activekv: %s\n", e.what());  // a destructor must not throw
+        warn_once_locked(r, error_text(e));  // a destructor must not throw; the exit writer may meet it again
       }
     }
   }
@@ -413,7 +419,7 @@ std::vector<PublishedTelemetry> snapshot_process_tree(bool at_exit) {
     try {
       write_json_file(json_path, snaps);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "activekv: %s\n", e.what());
+      warn_once(error_text(e));
     }
   }
   std::sort(out.begin(), out.end(), [](const PublishedTelemetry& a, const PublishedTelemetry& b) {

@@ -74,6 +74,10 @@ Registry& registry();
 bool proc_stat(int64_t pid, int64_t* ppid, int64_t* start_ticks);
 /// Print `message` on stderr the first time this process meets it (a scrape every few seconds must not flood).
 void warn_once(const std::string& message);
+/// warn_once with r.mu already held (the engine's destructor and the exit writer hold it while they write).
+void warn_once_locked(Registry& r, const std::string& message);
+/// An exception's message for stderr: a c10::Error's without its C++ backtrace.
+std::string error_text(const std::exception& e);
 /// Add `value` to a page histogram.
 void observe(TelemetryPage::Hist& h, double value);
 /// Read a page into a snapshot (count = the sum of the buckets, so _count always equals the +Inf bucket).
