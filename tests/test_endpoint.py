@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -337,8 +338,13 @@ async def _await(aw):
     return await aw
 
 
-def test_no_engine_is_a_500_with_json(tmp_path) -> None:
-    """A fresh process with no engine and an empty segment directory: snapshot unavailable."""
+@pytest.mark.parametrize("folder_mode", [None, 0o755])
+def test_no_engine_is_a_500_with_json(tmp_path, folder_mode) -> None:
+    """A fresh process with no engine and no segment folder, or one not private to this user: snapshot unavailable,
+    the message saying what is wrong with the folder."""
+    if folder_mode is not None:
+        (tmp_path / f"activekv-telemetry-{os.geteuid()}").mkdir(mode=folder_mode)
+        os.chmod(tmp_path / f"activekv-telemetry-{os.geteuid()}", folder_mode)
     script = textwrap.dedent("""
         import asyncio, json, sys, types
         import torch
@@ -364,3 +370,8 @@ def test_no_engine_is_a_500_with_json(tmp_path) -> None:
     assert statuses == [500, 500]
     for body in bodies:
         assert body["error"]["type"] == "ActiveKVTelemetryUnavailable" and str(tmp_path) in body["error"]["message"]
+        # what is wrong with the folder, instead of a guess at the backend
+        expected = ("does not exist: no engine of this user has published there" if folder_mode is None else
+                    "must be a directory owned by uid %d with mode 0700 (not a symbolic link), found mode 0755"
+                    % os.geteuid())
+        assert expected in body["error"]["message"], body

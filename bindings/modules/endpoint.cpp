@@ -96,11 +96,18 @@ std::vector<activekv::PublishedTelemetry> published_engines(Response* out) {
     published = activekv::snapshot_process_tree();
   }
   if (published.empty()) {
+    // Where the folder itself is the reason (missing, not private to this user), say so rather than guess.
+    std::string problem;
+    {
+      py::gil_scoped_release release;
+      problem = activekv::telemetry_dir_problem();
+    }
     *out = error_response(500, "ActiveKVTelemetryUnavailable",
                           "no ActiveKV engine publishes telemetry in this server's processes (segments in " +
-                              activekv::telemetry_dir() +
-                              "): the attention backend is not ACTIVEKV, the engine has not started, or its "
-                              "segment was removed");
+                              activekv::telemetry_dir() + "): " +
+                              (problem.empty() ? "the attention backend is not ACTIVEKV, the engine has not started, "
+                                                 "or its segment was removed"
+                                               : problem + " (ACTIVEKV_TELEMETRY_DIR chooses the parent folder)"));
   }
   return published;
 }

@@ -242,6 +242,19 @@ std::string telemetry_base_dir() {
 
 std::string telemetry_dir() { return telemetry_base_dir() + kFolderPrefix + std::to_string(::geteuid()); }
 
+std::string telemetry_dir_problem() {
+  const std::string folder = telemetry_dir();
+  std::string why;
+  const int fd = open_private_folder(folder, /*create=*/false, &why);
+  if (fd >= 0) {
+    ::close(fd);
+    return "";
+  }
+  return why.empty() ? folder + " does not exist: no engine of this user has published there (none has started, or "
+                                "it could not create the folder: see its warning)"
+                     : why;
+}
+
 Telemetry::Telemetry(bool registered) : registered_(registered) {
   int64_t id = -1;
   if (registered_) {

@@ -156,6 +156,9 @@ std::string telemetry_base_dir();
 /// Folder of this user's segments: telemetry_base_dir() + "/activekv-telemetry-<effective uid>" (see the file comment
 /// for what it must be before it is used).
 std::string telemetry_dir();
+/// Why telemetry_dir() can hold no segment to read: "" when it is a folder this user's engines publish in, else what
+/// is wrong with it (missing: no engine of this user has published, or could not create it; not private; ...).
+std::string telemetry_dir_problem();
 
 /// One engine's telemetry as published by some process.
 struct PublishedTelemetry {
