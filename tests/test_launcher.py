@@ -605,6 +605,20 @@ def test_a_venv_whose_base_interpreter_has_no_libpython_is_a_clear_error(tmp_pat
         assert_clean_error(done, f"is CPython {found}; the environment's interpreter is CPython {version}", where)
 
 
+def test_activekv_libpython_naming_another_build_of_the_same_minor_is_a_clear_error(tmp_path: Path) -> None:
+    """ACTIVEKV_LIBPYTHON naming the loader's libpython of another build (Debian's 3.11.2 beside a pyenv 3.11.7): the
+    same build check as the loader's search, not an undefined symbol in an extension module later."""
+    version = sys.version.split()[0]
+    found = loader_libpython_version()
+    if found is None or found == version:
+        pytest.skip(f"no {SONAME} of another build of CPython {PY_MINOR} on the loader's path")
+    launcher = fake_venv(tmp_path / "venv", tmp_path / "base" / "bin", version)
+    done = subprocess.run([str(launcher), "serve", "--help"], capture_output=True, text=True, timeout=60,
+                          env=child_env(ACTIVEKV_LIBPYTHON=SONAME))
+    assert_clean_error(done, f"is CPython {found}; the environment's interpreter is CPython {version}",
+                       f"ACTIVEKV_LIBPYTHON names {SONAME}.")
+
+
 # ------------------------------------------------------------------------------------------- serve: start-up checks
 
 

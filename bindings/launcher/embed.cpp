@@ -309,13 +309,15 @@ int vllm_main(const std::string& subcommand, const std::vector<const char*>& arg
   }
   // "3.11.7 (main, ...)": the C core the launcher would run. Its minor version must be the one the launcher was
   // built for (another one crashes, not errs); found by the loader's search rather than next to the environment's
-  // interpreter, it must also be that interpreter's build (pyvenv.cfg's version): another build's C core under this
-  // interpreter's standard library is a mix `python` itself never runs.
+  // interpreter, or named by ACTIVEKV_LIBPYTHON, it must also be that interpreter's build (pyvenv.cfg's version):
+  // another build's C core under this interpreter's standard library is a mix `python` itself never runs (Debian's
+  // 3.11.2 under a pyenv 3.11.7 fails in its extension modules' symbols).
   const std::string full = get_version();
   const std::string loaded_version = full.substr(0, full.find(' '));
   const std::string minor = ACTIVEKV_PYTHON_VERSION;
   const bool same_minor = loaded_version.compare(0, minor.size() + 1, minor + ".") == 0;
-  const bool same_build = env.libpython_source != "loader" || env.version.empty() || loaded_version == env.version;
+  const bool searched = env.libpython_source == "loader" || env.libpython_source == "ACTIVEKV_LIBPYTHON";
+  const bool same_build = !searched || env.version.empty() || loaded_version == env.version;
   if (!same_minor || !same_build) {
     std::fprintf(stderr, "activekv: error: %s is CPython %s; the environment's interpreter is CPython %s\n%s",
                  loaded.c_str(), loaded_version.c_str(), (same_minor ? env.version : minor).c_str(), how.c_str());

@@ -176,7 +176,8 @@ const char* const kOptionsHelp =
 const char* const kEnvironmentHelp =
     "environment:\n"
     "  ACTIVEKV_LIBPYTHON=PATH      the libpython serve and run-batch load (default: the environment's\n"
-    "                               interpreter's, found through its pyvenv.cfg or prefix)\n"
+    "                               interpreter's, found through its pyvenv.cfg or prefix); it must be that\n"
+    "                               interpreter's CPython build (pyvenv.cfg's version)\n"
     "  ACTIVEKV_SKIP_PATCH_CHECK=1  start without checking that vLLM carries the patch series (where git cannot\n"
     "                               run); 0 or unset: check\n"
     "  ACTIVEKV_PATCH_VERIFIED      set by serve and run-batch for vLLM's processes (what the launcher checked, so\n"
