@@ -84,9 +84,9 @@ int64_t worst_case_union_blocks(const EngineConfig& config);
 
 /// The Engine constructor's checks of `config` for an engine on `device` (its type is what counts), allocating
 /// nothing: a configuration can be checked before anything is built.
-/// @throws c10::ValueError as Engine's constructor.
+/// @throws c10::ValueError as Engine's constructor, except the pools' size against memory (check_pools_fit_memory,
+///         which the KV state runs before it allocates and the options' check runs by the option's name).
 void check_engine_config(const EngineConfig& config, at::Device device);
-
 
 class ForwardPath;  // forward_path.h (private to the engine)
 
@@ -98,7 +98,7 @@ class Engine {
   ///         device is neither the CPU nor CUDA or pool_blocks is not 0; in compressed mode also if recent_blocks < 1,
   ///         sink_blocks < 0, budget_tokens < (sink_blocks + recent_blocks + 1) * block_size, dense_layers outside
   ///         [0, num_layers], or (with a pool) pool_blocks < worst_case_union_blocks; on the CPU if the pools exceed
-///         the machine's physical memory (check_pools_fit_memory, geometry.h).
+  ///         the machine's physical memory (KVState's check_pools_fit_memory, geometry.h, before it allocates).
   /// @param device the pool's device. On CPU the host tier (each layer's kv_cache) is CPU memory too. On a CUDA device
   ///        it is either that device's memory (resident; in place it must be) or pinned CPU memory (tiered: admitted
   ///        blocks move host-to-device on a copy stream, transfer.h; KV updates write the new tokens back to the host
