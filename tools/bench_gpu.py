@@ -18,7 +18,8 @@ Sections (--sections picks some; the JSON then holds only those):
 2. blocks: transfer.copy_blocks_staged/mapped of 256 MiB as blocks of 16 KiB .. 4 MiB (CPU gather into pinned
    staging, one copy on a copy stream; or read straight from pinned memory: copy_blocks_mapped's own choice, and
    forced onto the copy engines and onto its gather kernel with ACTIVEKV_DMA_MIN_BYTES; scattered ids, one call at a
-   time and 8 back to back, and in order with its own choice), against one plain pinned copy of the same bytes, and one `copy_` per block; then
+   time and 8 back to back, and in order with its own choice), against one plain pinned copy of the same bytes, and
+   one `copy_` per block; then
    copy_blocks_mapped's gather kernel on 16 and 64 KiB blocks at each CTA count (ACTIVEKV_GATHER_CTAS: 2 .. 132, and
    the default), the JSON's "gather";
 3. streamed: exact decode whose context lives in a pinned host tier and streams through a pool of 1/8 of it (the
@@ -189,7 +190,7 @@ def block_batches(quick: bool) -> list[dict]:
         with env("ACTIVEKV_DMA_MIN_BYTES", None):
             chosen, ordered = mapped(), mapped(in_order)
             # As the engine issues them: calls back to back, each call's host work beside the last one's device work.
-            streamed = total / event_ms(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream),
+            back_to_back = total / event_ms(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream),
                                         calls=8, reps=3) / 1e6
         with env("ACTIVEKV_DMA_MIN_BYTES", "0"):
             dma = mapped() if transfer.mapped_dma_min_bytes() == 0 else None
@@ -205,7 +206,8 @@ def block_batches(quick: bool) -> list[dict]:
                     dst[s].copy_(src[i], non_blocking=True)
             per_block = total / timed(each, reps=2, warmup=1) / 1e9
         rows.append({"block_KiB": block >> 10, "blocks": n, "staged_GBps": staged, "mapped_GBps": chosen,
-                     "mapped_back_to_back_GBps": streamed, "mapped_in_order_GBps": ordered, "mapped_dma_GBps": dma, "mapped_gather_GBps": gather,
+                     "mapped_back_to_back_GBps": back_to_back, "mapped_in_order_GBps": ordered,
+                     "mapped_dma_GBps": dma, "mapped_gather_GBps": gather,
                      "gather_kernel_GBps": None if kernel is None else total / kernel / 1e6, "plain_GBps": plain,
                      "per_block_copy_GBps": per_block})
     return rows
@@ -504,7 +506,8 @@ def compressed_breakdown(batch: int, ctx: int, queries: str, out: Path, calls: i
                          a: float = DRIFT_A) -> dict:
     """torch.profiler (CPU and CUDA activities) around `calls` compressed forwards after COMPRESSED_WARMUP calls, each
     inside a record_function range "bench::engine_forward" (its self CPU time is the engine's host work outside ATen
-    ops and its own named ranges). Writes the top `top` rows by self CPU time and by self CUDA time to a text file under `out`;
+    ops and its own named ranges). Writes the top `top` rows by self CPU time and by self CUDA time to a text file
+    under `out`;
     returns a summary (per step: wall time, profiled device time, counters) for the JSON."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -631,7 +634,8 @@ def trace_stats(events: list[dict], steps: int, big_bytes: int = 1 << 20) -> dic
     span = (copies[-1]["ts"] + copies[-1]["dur"] - copies[0]["ts"]) if copies else 0.0
     # Device work still running after the last tile copy ended: attention the compute stream could not overlap.
     last = copies[-1]["ts"] + copies[-1]["dur"] if copies else None
-    tail = max((e["ts"] + e["dur"] - last for e in kernels if e["ts"] + e["dur"] > last), default=0.0) if copies else 0.0
+    tail = (max((e["ts"] + e["dur"] - last for e in kernels if e["ts"] + e["dur"] > last), default=0.0)
+            if copies else 0.0)
     ordered = sorted(gaps)
     return {"copies_per_step": len(copies) / steps, "copy_bytes_per_step": nbytes / steps,
             "copy_busy_ms_per_step": busy / 1e3 / steps,

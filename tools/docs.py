@@ -542,7 +542,7 @@ def gpu_vllm_section(data: dict[str, Any] | None) -> list[str]:
         main, setup = b.ModelSpec(**{k: data["models"]["main"][k] for k in (
             "layers", "heads", "kv_heads", "head_size", "hidden", "intermediate")}), data["setup"]
     steps, batches = setup["steps"], sorted(setup["batches"], reverse=True)
-    gpu_name = short_device(data["device"].get("name", "GPU")) if data and data.get("device") else "GPU"
+    gpu_name = vllm_device(data)
     lines = [
         "## vLLM end to end, GPU", "",
         f"vLLM 0.32.0 decoding on the device tool's {gpu_name}, in process and eagerly (the vLLM-on-GPU harness), "
@@ -710,6 +710,11 @@ def short_device(name: str) -> str:
     return words[0] if words else name
 
 
+def vllm_device(data: dict[str, Any] | None) -> str:
+    """The card a vLLM-on-GPU run measured on, as README's rows name it ('GPU' before any run)."""
+    return short_device((data or {}).get("device", {}).get("name", "GPU"))
+
+
 def gpu_vllm_readme_rows(data: dict[str, Any] | None) -> list[tuple[str, str, str]]:
     """README's row for vLLM on the GPU: what the run measured of the headline figures; none before a run."""
     if data is None:
@@ -727,9 +732,8 @@ def gpu_vllm_readme_rows(data: dict[str, Any] | None) -> list[tuple[str, str, st
         said.append(f"streamed from host memory ({spans}): {_range(h['streamed_bus'], '{:.2f}')} of the pinned bus")
     if not said:
         return []
-    device = short_device(data.get("device", {}).get("name", "GPU"))
-    return [(f"vLLM decode, {device}, 32k context, batch 8: attention per step (eager, random Llama)", "; ".join(said),
-             "vllm-end-to-end-gpu")]
+    return [(f"vLLM decode, {vllm_device(data)}, 32k context, batch 8: attention per step (eager, random Llama)",
+             "; ".join(said), "vllm-end-to-end-gpu")]
 
 
 def readme_with_results(text: str) -> str:
