@@ -429,16 +429,65 @@ def test_mapped_copy_takes_the_copy_engines_for_long_runs(monkeypatch: pytest.Mo
         assert torch.equal(dst[slots].cpu().view(torch.uint8), src.index_select(0, torch.tensor(ids)).view(torch.uint8))
 
 
+def _host_to_device_copies(fn) -> int:
+    """Host-to-device copies fn queues, as the profiler records them: an index upload is one, a copy-engine run one,
+    while the gather kernel's reads over the mapping are none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if "Memcpy HtoD" in e.key)
+
+
+@pytest.mark.parametrize("limit", [None, "0", "5"])
+@pytest.mark.parametrize("read", ["gather kernel", "copy engines"])
+def test_small_batches_pass_their_ids_in_the_launch(limit: str | None, read: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy_blocks_mapped batch of at most inline_ids_limit() blocks (ACTIVEKV_INLINE_IDS, default 256) passes its
+    ids to the gather and scatter kernels in their launch parameters: no index upload; a larger batch, or any with the
+    limit 0, uploads one index. Either way the bytes are index_select's: 1, 5, 6, 256 and 257 blocks, scattered (the
+    gather kernel) and in order (one copy-engine run)."""
+    import activekv._transfer as transfer
+
+    if limit is None:
+        monkeypatch.delenv("ACTIVEKV_INLINE_IDS", raising=False)
+    else:
+        monkeypatch.setenv("ACTIVEKV_INLINE_IDS", limit)
+    monkeypatch.setenv("ACTIVEKV_DMA_MIN_BYTES", str(1 << 50) if read == "gather kernel" else "0")
+    most = transfer.inline_ids_limit()
+    assert most == (256 if limit is None else int(limit))
+    rng = random.Random(13)
+    src = _random_blocks(600, (2, 2, 16, 128), torch.bfloat16, 0)
+    dst = torch.zeros(300, 2, 2, 16, 128, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    for n in (1, 5, 6, 256, 257):
+        if read == "gather kernel":
+            ids = rng.sample(range(600), n)
+        else:
+            first = rng.randrange(600 - n)
+            ids = list(range(first, first + n))
+        slots = rng.sample(range(300), n)
+        dst.zero_()
+        copies = _host_to_device_copies(lambda: transfer.copy_blocks_mapped(src, dst, ids, slots, stream))
+        runs = 0 if read == "gather kernel" else 1
+        assert copies == runs + int(n > most), (n, most, copies)
+        assert torch.equal(dst[slots].cpu().view(torch.uint8), src.index_select(0, torch.tensor(ids)).view(torch.uint8))
+        untouched = sorted(set(range(300)) - set(slots))
+        assert not dst[untouched].view(torch.uint8).any()
+
+
 # (variable, the binding that reads it, values out of its range, a value at its edge)
 TRANSFER_VARIABLES = [("ACTIVEKV_GATHER_CTAS", "mapped_gather_ctas", ["0", "1025", "-4", "32x", ""], 1024),
-                      ("ACTIVEKV_DMA_MIN_BYTES", "mapped_dma_min_bytes", ["-1", "32x", "", str((1 << 50) + 1)], 0)]
+                      ("ACTIVEKV_DMA_MIN_BYTES", "mapped_dma_min_bytes", ["-1", "32x", "", str((1 << 50) + 1)], 0),
+                      ("ACTIVEKV_INLINE_IDS", "inline_ids_limit", ["-1", "257", "8x", ""], 0)]
 
 
 @pytest.mark.parametrize("name,reader,value,edge", [(n, r, v, e) for n, r, vs, e in TRANSFER_VARIABLES for v in vs])
 def test_transfer_variable_out_of_range_is_the_default(name: str, reader: str, value: str, edge: int,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """ACTIVEKV_GATHER_CTAS and ACTIVEKV_DMA_MIN_BYTES, read at each call: a value out of range or not an integer is
-    the default; one at the edge of the range is taken."""
+    """ACTIVEKV_GATHER_CTAS, ACTIVEKV_DMA_MIN_BYTES and ACTIVEKV_INLINE_IDS, read at each call: a value out of range or
+    not an integer is the default; one at the edge of the range is taken."""
     import activekv._transfer as transfer
 
     read = getattr(transfer, reader)
@@ -511,6 +560,28 @@ def test_cuda_kernel_within_tolerance_of_aten_path_and_repeatable(cell: Cell) ->
         assert snap["decode_batch_rows"] > 0
     elif cell.dtype == torch.float32:  # the batch kernel takes 16-bit KV only
         assert snap["decode_batch_rows"] == 0
+
+
+STREAMED_KERNEL_CELLS = [c for c in KERNEL_CELLS if c.streaming and c.placement != "in_place"][:6]
+
+
+@pytest.mark.parametrize("cell", STREAMED_KERNEL_CELLS, ids=lambda c: c.id)
+def test_exact_tiles_with_slots_in_the_launch_equal_an_uploaded_index(cell: Cell,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exact tile's slots passed in the attention launch's parameters (the default) give the bits an uploaded index
+    gives (ACTIVEKV_INLINE_IDS=0): the same blocks at the same positions, in the same order."""
+    monkeypatch.setenv("ACTIVEKV_INLINE_IDS", "0")
+    uploaded = _replay(cell, "native")
+    monkeypatch.delenv("ACTIVEKV_INLINE_IDS")
+    snap: dict = {}
+    by_value = _replay(cell, "native", snap)
+    assert snap["tiles_computed"] > 0
+    for i, (a, b) in enumerate(zip(uploaded, by_value, strict=True)):
+        assert torch.equal(a, b), f"forward {i}"
+
+
+def test_streamed_kernel_cells_exist() -> None:
+    assert len(STREAMED_KERNEL_CELLS) >= 3 and any(c.mode == "exact" for c in STREAMED_KERNEL_CELLS)
 
 
 SELECTING = [c for c in COMPRESSED if c.context != "short"]  # a "short" context fits the budget: no row selects

@@ -29,4 +29,8 @@ PYBIND11_MODULE(_transfer, m) {
         "Mean bytes per run of consecutive source blocks from which copy_blocks_mapped's next call uses the copy "
         "engines (ACTIVEKV_DMA_MIN_BYTES, 0 .. 2**50, or the default); -1 in a build without them (CUDA before 12.8, "
         "or no CUDA).");
+  m.def("inline_ids_limit", &activekv::inline_ids_limit,
+        "Most block ids a CUDA launch takes in its parameters rather than from an uploaded index at the next call: "
+        "copy_blocks_mapped's gather and scatter, the engine's exact tiles (ACTIVEKV_INLINE_IDS, 0 .. 256, 0 uploads "
+        "every index; or the default, 256).");
 }

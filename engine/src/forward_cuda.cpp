@@ -124,12 +124,18 @@ class CudaPath : public AtenPath {
   // + j] is the pool slot of head h's j-th block, idx[kvh * n + h * n + j] its row position.
   void kernel_tile(const LayerStep& s, size_t i, const std::vector<int64_t>& idx, int64_t n, int64_t first_query_pos,
                    int64_t lq) {
-    CudaAttendArgs a;
-    a.pool = s.kv;
+    CudaAttendArgs a = row_args(s, i, n, first_query_pos, lq);
     const auto dev = index_tensor(idx, device_, s.upload);
     const auto half = static_cast<int64_t>(idx.size()) / 2;
     a.slots = dev.narrow(0, 0, half);
     a.pos = dev.narrow(0, half, half);
+    cuda_attend()(a);
+  }
+
+  // The kernel's arguments for plan row i's tile of n blocks, but its index.
+  CudaAttendArgs row_args(const LayerStep& s, size_t i, int64_t n, int64_t first_query_pos, int64_t lq) const {
+    CudaAttendArgs a;
+    a.pool = s.kv;
     a.n = n;
     a.first_query_pos = first_query_pos;
     a.num_q = lq;
@@ -138,13 +144,22 @@ class CudaPath : public AtenPath {
     a.l = rows_[i].st.l;
     a.acc = rows_[i].st.acc;
     a.scale = s.scale;
-    cuda_attend()(a);
+    return a;
   }
 
   void attend_tile(const LayerStep& s, size_t i, int64_t tile, const std::vector<int64_t>& slots) override {
     if (!supports(rows_[i].qg.size(1))) return AtenPath::attend_tile(s, i, tile, slots);
     const auto& w = s.plan.rows[i];
     const int64_t kvh = g_.num_kv_heads, tb = g_.tile_blocks, n = static_cast<int64_t>(slots.size());
+    if (inline_ids_fit(slots.data(), n, inline_ids_limit())) {
+      // Every head reads the same slots, at positions tile * tb + j: the slots in the launch's parameters, no upload.
+      CudaAttendArgs a = row_args(s, i, n, w.seq - w.lq, w.lq);
+      a.host_slots = slots.data();
+      a.first_block = tile * tb;
+      cuda_attend()(a);
+      telemetry_.add(Counter::kTilesComputed);
+      return;
+    }
     std::vector<int64_t> idx(2 * kvh * n);
     for (int64_t hh = 0; hh < kvh; ++hh) {
       for (int64_t j = 0; j < n; ++j) {

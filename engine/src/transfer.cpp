@@ -56,7 +56,8 @@ void join_current(const c10::Stream& from, at::Device device, std::initializer_l
   c10::Event done(device.type());
   done.record(from);
   done.block(current);
-  for (const auto& t : tensors) impl.recordDataPtrOnStream(t.storage().data_ptr(), current);
+  for (const auto& t : tensors)
+    if (t.defined()) impl.recordDataPtrOnStream(t.storage().data_ptr(), current);
 }
 
 int64_t batch_bytes(const at::Tensor& src, size_t n) {
@@ -109,18 +110,22 @@ bool row_copy_fits(const void* src, const void* dst, int64_t row_bytes) {
 }
 
 // Called on the compute stream (the current one, outside any guard of the copy stream): it waits for the copy stream's
-// work so far; `buffer` (allocated on the copy stream) and `dst_ids` (a device index, queued on the copy stream) are
-// recorded on it, then buffer's rows are scattered into dst's rows dst_ids there: by the row copy kernel with every
-// SM's share of HBM, else index_copy_.
-void finish_on_compute(const at::Tensor& dst, const at::Tensor& dst_ids, const at::Tensor& buffer,
-                       const c10::Stream& copy_stream) {
+// work so far; `buffer` (allocated on the copy stream) and `dst_ids` (a device index queued on the copy stream, or
+// undefined where the scatter kernel takes `host_dst_ids` by value) are recorded on it, then buffer's rows are
+// scattered into dst's rows there: by the row copy kernel with every SM's share of HBM, else index_copy_.
+void finish_on_compute(const at::Tensor& dst, const at::Tensor& dst_ids, const std::vector<int64_t>& host_dst_ids,
+                       const at::Tensor& buffer, const c10::Stream& copy_stream) {
   join_current(copy_stream, dst.device(), {buffer, dst_ids});
   const int64_t row_bytes = buffer.size(1);
   if (row_copy_fits(buffer.data_ptr(), dst.data_ptr(), row_bytes)) {
     CudaGatherArgs args;
     args.src = buffer.data_ptr();
     args.dst = dst.data_ptr();
-    args.dst_ids = dst_ids;
+    if (dst_ids.defined()) {
+      args.dst_ids = dst_ids;
+    } else {
+      args.host_dst_ids = host_dst_ids.data();
+    }
     args.rows = buffer.size(0);
     args.row_bytes = row_bytes;
     args.ctas = kCudaScatterCtas;
@@ -128,6 +133,7 @@ void finish_on_compute(const at::Tensor& dst, const at::Tensor& dst_ids, const a
     cuda_gather()(args);
     return;
   }
+  TORCH_INTERNAL_ASSERT(dst_ids.defined(), "finish_on_compute: index_copy_ takes a device index");
   auto shape = dst.sizes().vec();
   shape[0] = -1;
   dst.index_copy_(0, dst_ids, buffer.view(dst.scalar_type()).view(shape));
@@ -167,6 +173,8 @@ int64_t mapped_dma_min_bytes() {
   return env_int("ACTIVEKV_DMA_MIN_BYTES", 0, int64_t{1} << 50, kCudaDmaMinBytes);
 }
 
+int64_t inline_ids_limit() { return env_int("ACTIVEKV_INLINE_IDS", 0, kCudaInlineIds, kCudaInlineIds); }
+
 int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                            const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream) {
   check_copy(src, dst, src_ids, dst_ids);
@@ -176,13 +184,18 @@ int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const s
 
 namespace {
 // copy_blocks_mapped's read over the bus on the current stream (the copy stream, set by the caller): the blocks into a
-// new device buffer [n, row_bytes]. Returns {buffer, ids}, ids a device index ending with dst_ids.
+// new device buffer [n, row_bytes]. Returns {buffer, ids}: ids a device index ending with dst_ids, or undefined where
+// the read and the scatter take their ids by value (`by_value`: at most inline_ids_limit() of them, each < 2^31, and
+// the scatter kernel takes the buffer).
 std::pair<at::Tensor, at::Tensor> read_mapped(const at::Tensor& src, const at::Tensor& dst,
                                               const std::vector<int64_t>& src_ids,
                                               const std::vector<int64_t>& dst_ids, int64_t row_bytes) {
   const auto n = static_cast<int64_t>(src_ids.size());
   // One buffer for whichever read runs (the copy engines, or the gather when the copy engines decline).
   at::Tensor gathered = at::empty({n, row_bytes}, at::TensorOptions().dtype(at::kByte).device(dst.device()));
+  const int64_t limit = inline_ids_limit();
+  const bool dst_by_value =
+      row_copy_fits(gathered.data_ptr(), dst.data_ptr(), row_bytes) && inline_ids_fit(dst_ids.data(), n, limit);
   at::Tensor ids;
   // The copy engines, where the blocks come in runs long enough for them (mapped_dma_min_bytes): one descriptor per
   // run of consecutive source blocks, into consecutive rows of the buffer.
@@ -200,35 +213,50 @@ std::pair<at::Tensor, at::Tensor> read_mapped(const at::Tensor& src, const at::T
       copy.dst.push_back(to + i * row_bytes);
       copy.bytes.push_back(static_cast<size_t>((end - i) * row_bytes));
     }
-    if (cuda_copy_runs()(copy)) ids = copy_ids(src_ids, dst_ids, /*with_src=*/false, dst.device());
-  }
-  if (!ids.defined()) {
-    ids = copy_ids(src_ids, dst_ids, /*with_src=*/true, dst.device());
-    const auto src_dev = ids.narrow(0, 0, n);
-    const int64_t ctas = mapped_gather_ctas();
-    if (ctas > 0 && row_copy_fits(src.data_ptr(), gathered.data_ptr(), row_bytes)) {
-      // The gather kernel (cuda_kernel.h CudaGatherArgs): 16-byte loads, many in flight, over the host tier's device
-      // mapping (the pinned pointer itself; src outlives the kernel: the engine holds its bound host tier, a caller
-      // holds src).
-      CudaGatherArgs args;
-      args.src = src.data_ptr();
-      args.src_ids = src_dev;
-      args.dst = gathered.data_ptr();
-      args.rows = n;
-      args.row_bytes = row_bytes;
-      args.ctas = ctas;
-      args.device = dst.device().index();
-      cuda_gather()(args);
-    } else {
-      // Without the kernel, or rows not 16-byte aligned: index_select over the same mapping, in words of 8 bytes when
-      // a block allows it (fewer, wider reads over the bus), else bytes.
-      const auto word = row_bytes % 8 == 0 ? at::kLong : at::kByte;
-      const int64_t row_words = row_bytes / (word == at::kLong ? 8 : 1);
-      auto mapped = at::from_blob(src.data_ptr(), {src.size(0), row_words}, [](void*) {},
-                                  at::TensorOptions().dtype(word).device(dst.device()));
-      auto out = gathered.view(word);
-      at::index_select_out(out, mapped, 0, src_dev);  // reads host memory in the kernel
+    if (cuda_copy_runs()(copy)) {
+      if (!dst_by_value) ids = copy_ids(src_ids, dst_ids, /*with_src=*/false, dst.device());
+      return {gathered, ids};
     }
+  }
+  const int64_t ctas = mapped_gather_ctas();
+  const bool kernel = ctas > 0 && row_copy_fits(src.data_ptr(), gathered.data_ptr(), row_bytes);
+  if (kernel && dst_by_value && inline_ids_fit(src_ids.data(), n, limit)) {
+    // The gather kernel (cuda_kernel.h CudaGatherArgs): 16-byte loads, many in flight, over the host tier's device
+    // mapping (the pinned pointer itself; src outlives the kernel: the engine holds its bound host tier, a caller
+    // holds src). Here its ids in the launch's parameters.
+    CudaGatherArgs args;
+    args.src = src.data_ptr();
+    args.host_src_ids = src_ids.data();
+    args.dst = gathered.data_ptr();
+    args.rows = n;
+    args.row_bytes = row_bytes;
+    args.ctas = ctas;
+    args.device = dst.device().index();
+    cuda_gather()(args);
+    return {gathered, ids};
+  }
+  ids = copy_ids(src_ids, dst_ids, /*with_src=*/true, dst.device());
+  const auto src_dev = ids.narrow(0, 0, n);
+  if (kernel) {
+    // The gather kernel as above, its ids from the uploaded index.
+    CudaGatherArgs args;
+    args.src = src.data_ptr();
+    args.src_ids = src_dev;
+    args.dst = gathered.data_ptr();
+    args.rows = n;
+    args.row_bytes = row_bytes;
+    args.ctas = ctas;
+    args.device = dst.device().index();
+    cuda_gather()(args);
+  } else {
+    // Without the kernel, or rows not 16-byte aligned: index_select over the same mapping, in words of 8 bytes when
+    // a block allows it (fewer, wider reads over the bus), else bytes.
+    const auto word = row_bytes % 8 == 0 ? at::kLong : at::kByte;
+    const int64_t row_words = row_bytes / (word == at::kLong ? 8 : 1);
+    auto mapped = at::from_blob(src.data_ptr(), {src.size(0), row_words}, [](void*) {},
+                                at::TensorOptions().dtype(word).device(dst.device()));
+    auto out = gathered.view(word);
+    at::index_select_out(out, mapped, 0, src_dev);  // reads host memory in the kernel
   }
   return {gathered, ids};
 }
@@ -246,7 +274,7 @@ int64_t copy_blocks_mapped_unchecked(const at::Tensor& src, const at::Tensor& ds
     c10::StreamGuard guard(copy_stream);  // the read on the copy stream; the scatter after it on the caller's stream
     std::tie(gathered, ids) = read_mapped(src, dst, src_ids, dst_ids, row_bytes);
   }
-  finish_on_compute(dst, ids.narrow(0, ids.size(0) - n, n), gathered, copy_stream);
+  finish_on_compute(dst, ids.defined() ? ids.narrow(0, ids.size(0) - n, n) : ids, dst_ids, gathered, copy_stream);
   return batch_bytes(src, src_ids.size());
 }
 
@@ -273,7 +301,7 @@ int64_t copy_blocks_staged(const at::Tensor& src, const at::Tensor& dst, const s
     c10::StreamGuard guard(copy_stream);
     ids = index_tensor(dst_ids, dst.device());
   }
-  finish_on_compute(dst, ids, on_device, copy_stream);
+  finish_on_compute(dst, ids, dst_ids, on_device, copy_stream);
   return batch_bytes(src, src_ids.size());
 }
 

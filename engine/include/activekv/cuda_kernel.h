@@ -15,16 +15,35 @@
 /// cuda_attend() and falls back to the ATen tile path when it is null or the shape is unsupported.
 #include <ATen/ATen.h>
 
+#include <climits>
 #include <cstdint>
 #include <vector>
 
 namespace activekv {
+
+/// Ids passed by value in a launch's parameters, so that a small tile's launch needs no index upload (a pinned buffer,
+/// a host-to-device copy and a stream join per tile): up to kCudaInlineIds of them, each in [0, 2^31).
+constexpr int64_t kCudaInlineIds = 256;
+struct CudaInlineIds {
+  int32_t v[kCudaInlineIds];
+};
+/// Whether ids[0, n) fit a CudaInlineIds, and at most `limit` of them (the caller's ACTIVEKV_INLINE_IDS).
+inline bool inline_ids_fit(const int64_t* ids, int64_t n, int64_t limit) {
+  if (n > limit || n > kCudaInlineIds) return false;
+  for (int64_t j = 0; j < n; ++j)
+    if (ids[j] < 0 || ids[j] > INT32_MAX) return false;
+  return true;
+}
 
 /// One request row's tile on a CUDA device.
 struct CudaAttendArgs {
   at::Tensor pool;   ///< [pool_blocks, num_kv_heads, 2, block_size, head_size], contiguous, CUDA
   at::Tensor slots;  ///< int64 [num_kv_heads * n] on the device: pool slot of head h's j-th block at [h * n + j]
   at::Tensor pos;    ///< int64 [num_kv_heads * n] on the device: that block's position in the row
+  /// Instead of slots and pos, an exact tile's slots on the host (inline_ids_fit): every head reads block j from slot
+  /// host_slots[j], at row position first_block + j, the slots passed in the launch's parameters
+  const int64_t* host_slots = nullptr;
+  int64_t first_block = 0;
   int64_t n = 0;     ///< blocks per KV head in this tile
   int64_t first_query_pos = 0;  ///< position of query token 0 (causal limit: key pos <= first_query_pos + i)
   int64_t num_q = 0;            ///< query tokens of the row; rows = group_size * num_q (row = g * num_q + i)
@@ -133,18 +152,21 @@ void register_cuda_kv_write(CudaKvWriteFn fn);
 
 /// The row copy behind copy_blocks_mapped (transfer.h): rows of row_bytes copied from src to dst by one launch on the
 /// device's current stream, row j of the batch read from src row src_ids[j] (or j) and written to dst row dst_ids[j]
-/// (or j), exactly one of the two ids given. Its two uses, two kernels of one body: gather_kernel, the pinned host
-/// tier read through its device mapping (UVA) into a contiguous device buffer; scatter_kernel, that buffer written
-/// into the pool's slots on the compute stream. 16-byte loads, coalesced (consecutive threads read consecutive 16 bytes
-/// of a row), several loads in flight per thread before its stores: a read from an SM crosses the bus at its latency,
-/// so the bus is filled only by many outstanding requests. `ctas` CTAs take the rows' 16-byte words in a grid-stride
-/// loop; fewer CTAs leave more SMs to the compute stream. Copies only: the bytes equal index_select's (gather) and
-/// index_copy_'s (scatter).
+/// (or j), exactly one of the two ids given (on the device, or for a few rows on the host: CudaInlineIds). Its two
+/// uses, two kernels of one body: gather_kernel, the pinned host tier read through its device mapping (UVA) into a
+/// contiguous device buffer; scatter_kernel, that buffer written into the pool's slots on the compute stream. 16-byte
+/// loads, coalesced (consecutive threads read consecutive 16 bytes of a row), several loads in flight per thread before
+/// its stores: a read from an SM crosses the bus at its latency, so the bus is filled only by many outstanding
+/// requests. `ctas` CTAs take the rows' 16-byte words in a grid-stride loop; fewer CTAs leave more SMs to the compute
+/// stream. Copies only: the bytes equal index_select's (gather) and index_copy_'s (scatter).
 struct CudaGatherArgs {
   const void* src = nullptr;  ///< device-readable rows (device memory or mapped pinned host memory), 16-byte aligned
   at::Tensor src_ids;         ///< int64 [n] on the device, each a row of src (the caller checked them); undefined: j
   void* dst = nullptr;        ///< device rows, 16-byte aligned
   at::Tensor dst_ids;         ///< int64 [n] on the device, distinct rows of dst (the caller checked them); undefined: j
+  /// Either id list on the host instead (inline_ids_fit), passed in the launch's parameters: no index upload
+  const int64_t* host_src_ids = nullptr;
+  const int64_t* host_dst_ids = nullptr;
   int64_t rows = 0;           ///< n, the rows copied
   int64_t row_bytes = 0;      ///< a multiple of 16
   int64_t ctas = 0;           ///< CTAs of the launch, >= 1

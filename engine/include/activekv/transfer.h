@@ -65,7 +65,8 @@ int64_t copy_blocks_staged(const at::Tensor& src, const at::Tensor& dst, const s
 ///    one kernel reads the scattered blocks through the mapping (cuda_kernel.h CudaGatherArgs: 16-byte loads,
 ///    mapped_gather_ctas() CTAs) when the build has it and a block is a multiple of 16 bytes at a 16-byte aligned src;
 ///    else index_select over the mapping (8-byte words when a block is a multiple of 8 bytes, else bytes).
-/// Either way the bytes are src's.
+/// Either way the bytes are src's. A batch of at most inline_ids_limit() blocks (a small tile's) passes its ids to the
+/// gather and scatter kernels in their launch parameters, with no index upload.
 /// @throws as copy_blocks_staged; c10::ValueError if src or dst is not contiguous.
 int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                            const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream);
@@ -84,5 +85,9 @@ int64_t mapped_gather_ctas();
 /// ACTIVEKV_DMA_MIN_BYTES (0 .. 2^50, read at each call: 0 always, 2^50 never) or cuda_kernel.h's kCudaDmaMinBytes;
 /// -1 in a build without the copy-engine batch (CUDA before 12.8, or no CUDA).
 int64_t mapped_dma_min_bytes();
+
+/// Most block ids a CUDA launch takes by value (cuda_kernel.h CudaInlineIds) rather than from an uploaded index:
+/// ACTIVEKV_INLINE_IDS (0 .. kCudaInlineIds, read at each call: 0 uploads every index) or kCudaInlineIds.
+int64_t inline_ids_limit();
 
 }  // namespace activekv

@@ -49,13 +49,28 @@ __device__ __forceinline__ void load8(const __half* p, float* out) {
   }
 }
 
+// Where head h's block j of a tile lies (its pool slot) and its position in the row: per head in device memory, or an
+// exact tile's slots shared by every head in the launch's parameters (positions first_block + j).
+struct HeadIndex {
+  const int64_t* __restrict__ slots;
+  const int64_t* __restrict__ pos;
+  int n;
+  __device__ __forceinline__ int64_t slot(int h, int j) const { return slots[static_cast<int64_t>(h) * n + j]; }
+  __device__ __forceinline__ int64_t block_pos(int h, int j) const { return pos[static_cast<int64_t>(h) * n + j]; }
+};
+struct SharedIndex {
+  CudaInlineIds slots;
+  int64_t first_block;
+  __device__ __forceinline__ int64_t slot(int, int j) const { return slots.v[j]; }
+  __device__ __forceinline__ int64_t block_pos(int, int j) const { return first_block + j; }
+};
+
 // One CTA: one KV head, one split of the tile's blocks. L lanes hold one token's K/V row (D = L * kVec); the CTA's
 // kThreads / L lane groups walk the split's tokens in lock step, each group with its own running state, combined
 // through shared memory at the end into the split's partial (max, sum, accumulator) per query row.
 // part: float32 [KVH, splits, rows, D + 2] = (m, l, acc[D]).
-template <typename T, int L>
-__global__ void __launch_bounds__(kThreads) split_kernel(const T* __restrict__ pool, const int64_t* __restrict__ slots,
-                                                         const int64_t* __restrict__ pos,
+template <typename T, int L, typename Index>
+__global__ void __launch_bounds__(kThreads) split_kernel(const T* __restrict__ pool, const Index index,
                                                          const float* __restrict__ q, float* __restrict__ part,
                                                          int n, int kvh, int bs, int rows, int num_q,
                                                          int64_t first_query_pos, float scale,
@@ -90,8 +105,8 @@ __global__ void __launch_bounds__(kThreads) split_kernel(const T* __restrict__ p
     int64_t kpos = 0;
     if (live) {
       const int j = b0 + t / bs, o = t % bs;
-      const int64_t slot = slots[static_cast<int64_t>(h) * n + j];
-      kpos = pos[static_cast<int64_t>(h) * n + j] * bs + o;
+      const int64_t slot = index.slot(h, j);
+      kpos = index.block_pos(h, j) * bs + o;
       const T* kp = pool + ((slot * kvh + h) * 2 * bs + o) * D + d0;  // K row; V is bs rows further
       load8(kp, k);
       load8(kp + static_cast<int64_t>(bs) * D, v);
@@ -191,17 +206,30 @@ __global__ void merge_kernel(const float* __restrict__ part, float* __restrict__
   }
 }
 
-template <typename T, int L>
-void launch(const CudaAttendArgs& a, const T* pool, int64_t rows, int64_t splits, int64_t per_split,
-            float* part, cudaStream_t stream) {
+template <typename T, int L, typename Index>
+void launch(const CudaAttendArgs& a, const T* pool, const Index& index, int64_t rows, int64_t splits,
+            int64_t per_split, float* part, cudaStream_t stream) {
   constexpr int D = L * kVec;
   const int64_t kvh = a.pool.size(1), bs = a.pool.size(3);
   const size_t shared = static_cast<size_t>(kThreads / L) * rows * D * sizeof(float);
-  split_kernel<T, L><<<dim3(kvh, splits), kThreads, shared, stream>>>(
-      pool, a.slots.data_ptr<int64_t>(), a.pos.data_ptr<int64_t>(), a.q.data_ptr<float>(), part,
-      static_cast<int>(a.n), static_cast<int>(kvh), static_cast<int>(bs), static_cast<int>(rows),
-      static_cast<int>(a.num_q), a.first_query_pos, static_cast<float>(a.scale), static_cast<int>(per_split));
+  split_kernel<T, L, Index><<<dim3(kvh, splits), kThreads, shared, stream>>>(
+      pool, index, a.q.data_ptr<float>(), part, static_cast<int>(a.n), static_cast<int>(kvh), static_cast<int>(bs),
+      static_cast<int>(rows), static_cast<int>(a.num_q), a.first_query_pos, static_cast<float>(a.scale),
+      static_cast<int>(per_split));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int L>
+void launch(const CudaAttendArgs& a, const T* pool, int64_t rows, int64_t splits, int64_t per_split, float* part,
+            cudaStream_t stream) {
+  if (a.host_slots == nullptr)
+    return launch<T, L>(a, pool, HeadIndex{a.slots.data_ptr<int64_t>(), a.pos.data_ptr<int64_t>(),
+                                           static_cast<int>(a.n)},
+                        rows, splits, per_split, part, stream);
+  SharedIndex index{};
+  for (int64_t j = 0; j < a.n; ++j) index.slots.v[j] = static_cast<int32_t>(a.host_slots[j]);
+  index.first_block = a.first_block;
+  launch<T, L>(a, pool, index, rows, splits, per_split, part, stream);
 }
 
 template <typename T>
@@ -220,6 +248,8 @@ void attend_blocks_cuda(const CudaAttendArgs& a) {
   AKV_CHECK_VALUE(cuda_kernel_supports(d, rows), "the CUDA kernel does not support head size ", d, " with ", rows,
                   " query rows per KV head");
   if (a.n == 0) return;
+  AKV_CHECK_VALUE(a.host_slots == nullptr || inline_ids_fit(a.host_slots, a.n, kCudaInlineIds),
+                  "the CUDA kernel takes at most ", kCudaInlineIds, " slots in [0, 2^31) by value, got ", a.n);
   // Splits: about two CTAs per multiprocessor over all KV heads, at least 4 blocks each.
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.pool.device().index()));
