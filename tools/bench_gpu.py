@@ -25,11 +25,15 @@ Sections (--sections picks some; the JSON then holds only those):
 3. streamed: exact decode whose context lives in a pinned host tier and streams through a pool of 1/8 of it (the
    mapped transfer reading as it chooses, and with its gather kernel forced); achieved host->device rate against the
    pinned bus ceiling of section 1;
-4. resident: exact decode with every block on the device, in place (placement in_place: the KV cache on the device,
+4. small_tiles: streamed exact decode as vLLM's streaming configuration runs it (tools/bench_gpu_vllm.py: a pool of
+   1/8 of one row's context, tiles of half the pool) at 8k and 32k, batch 1 and 8, each tile's ids in the kernels'
+   launch parameters (the default) and uploaded per tile (ACTIVEKV_INLINE_IDS=0): ms/step, the achieved rate against
+   the pinned bus, and the host's time per tile (one forward's wall clock, the device idle at its start);
+5. resident: exact decode with every block on the device, in place (placement in_place: the KV cache on the device,
    no pool) and from a pool that holds the contexts (pool-resident), each step's decode rows in one launch (the decode
    batch); the ATen tile path beside them; against scaled_dot_product_attention (flash) on the same KV in
    [B, H, T, D] layout; KV read rate of each;
-5. compressed: compressed decode (budget 2048 tokens) from a pinned host tier, against the same SDPA with the full
+6. compressed: compressed decode (budget 2048 tokens) from a pinned host tier, against the same SDPA with the full
    context resident, with two kinds of queries: "random" rotates 4 random queries; "drift" gives each call a new query
    from an AR(1) process per query head (q_t = a q_{t-1} + sqrt(1 - a^2) eps_t, a = 0.95 or --drift), generated
    before timing. Per step: union blocks per row, blocks admitted, evicted and hit (engine counters), admitted over
@@ -70,7 +74,7 @@ H, KVH, D, BS = 32, 8, 128, 16
 DT = torch.bfloat16
 BLOCK_BYTES = KVH * 2 * BS * D * 2  # 64 KiB
 TOKEN_BYTES = KVH * 2 * D * 2  # K and V of one token, every KV head
-SECTIONS = ("ceilings", "blocks", "streamed", "resident", "compressed")
+SECTIONS = ("ceilings", "blocks", "streamed", "small_tiles", "resident", "compressed")
 
 
 def timed(fn, reps: int = 10, warmup: int = 2) -> float:
@@ -324,6 +328,50 @@ def exact_decode(batch: int, ctx: int, tiered: bool, pool_tokens: int, tile_bloc
     return {"batch": batch, "context": ctx, "transfer": transfer, "kernel": kernel,
             "read": read if transfer == "mapped" else None, "ms": ms, "kv_GBps": kv_bytes / ms / 1e6,
             "h2d_bytes_per_step": snap["bytes_h2d"] / max(1, snap["forward_calls"])}
+
+
+# The small-tile section: vLLM's streaming configuration (tools/bench_gpu_vllm.py), a pool of 1/8 of one row's context
+# and tiles of half the pool, at these contexts and batches; each tile's ids in the kernels' launch parameters (the
+# engine's default) or uploaded per tile (ACTIVEKV_INLINE_IDS=0).
+SMALL_TILE_CONTEXTS = (8192, 32768)
+SMALL_TILE_BATCHES = (1, 8)
+SMALL_TILE_IDS = {"in the launch": None, "uploaded": "0"}  # ACTIVEKV_INLINE_IDS per arm
+HOST_CALLS = 5
+
+
+def small_tile_decode(batch: int, ctx: int, ids: str) -> dict:
+    """Streamed exact decode with vLLM's small tiles, where the host's work per tile can outlast the tile's bytes on
+    the bus: ms/step by CUDA events over back-to-back calls, and the host's time per tile (one forward's wall clock
+    with the device idle at its start and no synchronize inside it, over the tiles it ran)."""
+    pool = ctx // BS // 8
+    tile = pool // 2
+    with env("ACTIVEKV_INLINE_IDS", SMALL_TILE_IDS[ids]):
+        eng = make_engine(pool, tile)
+        kv = fill_host(batch, ctx, pinned=True)
+        plan = decode_plan(eng, batch, ctx)
+        q = torch.randn(batch, H, D, dtype=DT, device="cuda")
+        out = torch.empty_like(q)
+
+        def fwd() -> None:
+            eng.forward(0, plan, q, kv, out, D ** -0.5)
+
+        ms = event_ms(fwd, calls=4, reps=3, warmup=2)
+        before = eng.snapshot()
+        host = []
+        for _ in range(HOST_CALLS):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fwd()
+            host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        after = eng.snapshot()
+    tiles = (after["tiles_computed"] - before["tiles_computed"]) / HOST_CALLS
+    h2d = (after["bytes_h2d"] - before["bytes_h2d"]) / HOST_CALLS
+    del kv
+    torch.cuda.empty_cache()
+    return {"batch": batch, "context": ctx, "pool_blocks": pool, "tile_blocks": tile, "ids": ids, "ms": ms,
+            "h2d_bytes_per_step": h2d, "tiles_per_step": tiles,
+            "host_us_per_tile": statistics.median(host) * 1e6 / max(tiles, 1)}
 
 
 def resident_decode(batch: int, ctx: int, placement: str, kernel: str = "native", calls: int = 20) -> dict:
@@ -792,6 +840,22 @@ def streamed_table(res: dict) -> list[str]:
     return lines
 
 
+def small_tiles_table(res: dict) -> list[str]:
+    """One row per configuration and way of passing a tile's ids."""
+    ceiling = res.get("ceilings", {}).get("h2d_GBps")
+    lines = ["| batch | context | pool blocks | tile blocks (MiB) | tile ids | ms/step | H2D GB/s | / pinned H2D ceiling | "
+             "host us per tile | its bus time us |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["small_tiles"]:
+        rate = r["h2d_bytes_per_step"] / (r["ms"] / 1e3) / 1e9
+        tile_bytes = r["tile_blocks"] * BLOCK_BYTES
+        bus_us = f"{tile_bytes / (ceiling * 1e3):.0f}" if ceiling else "-"
+        share = f"{rate / ceiling:.2f}" if ceiling else "-"
+        lines.append(f"| {r['batch']} | {r['context'] // 1024}k | {r['pool_blocks']} | {r['tile_blocks']} "
+                     f"({tile_bytes / 2**20:g}) | {r['ids']} | {r['ms']:.2f} | {rate:.1f} | {share} | "
+                     f"{r['host_us_per_tile']:.0f} | {bus_us} |")
+    return lines
+
+
 def resident_table(res: dict) -> list[str]:
     lines = ["| batch | context | SDPA flash ms | its KV GB/s | in place: forward ms | kernel ms | KV GB/s | "
              "/ SDPA rate | kernel / SDPA kernel rate | pool-resident: forward ms | kernel ms | / SDPA rate | "
@@ -1025,6 +1089,13 @@ def main() -> None:
         print("## streamed exact decode: 128k context in a pinned host tier, pool 16k tokens, tile 256 blocks\n")
         if "ceilings" in res:
             print("\n".join(streamed_table(res)) + "\n", flush=True)
+        save()
+
+    if "small_tiles" in want:
+        res["small_tiles"] = [small_tile_decode(b, c, ids) for c in SMALL_TILE_CONTEXTS for b in SMALL_TILE_BATCHES
+                              for ids in SMALL_TILE_IDS]
+        print("## streamed exact decode with small tiles (pool 1/8 of a row's context, tiles of half the pool)\n")
+        print("\n".join(small_tiles_table(res)) + "\n", flush=True)
         save()
 
     if "resident" in want or "compressed" in want:
