@@ -63,10 +63,12 @@ def test_streamed_breakdown_configurations_parse_with_an_optional_tile() -> None
         with pytest.raises(argparse.ArgumentTypeError, match=r"expected BATCHxCONTEXT\[:TILE\] .* \(TILE in blocks\)"):
             bench_gpu.parse_streamed(bad)
     for bad, why in (("0x32k", "the batch must be >= 1"), ("1x100", "a positive multiple of 16 tokens"),
-                     ("1x32k:0", "the tile must be 1 to 1024 blocks"), ("1x32k:1025", "the tile must be 1 to 1024")):
+                     ("1x32k:0", "the tile must be 1 to 1024 blocks"), ("1x32k:1025", "the tile must be 1 to 1024"),
+                     ("1x8k:32", "must exceed the pool's 16384 tokens"), ("2x8k", "nothing streams")):
         with pytest.raises(argparse.ArgumentTypeError, match=why + ".*got"):
             bench_gpu.parse_streamed(bad)
     assert bench_gpu.parse_streamed("1x32k:1024") == (1, 32768, 1024)  # the whole pool
+    assert bench_gpu.parse_streamed("8x8k:32") == (8, 8192, 32)  # the rows evict each other's blocks
 
 
 def copy_event(ts: float, dur: float, corr: int, nbytes: int = 16 << 20) -> dict:

@@ -650,6 +650,9 @@ def parse_streamed(spec: str) -> tuple[int, int, int]:
     if not 1 <= tile_blocks <= pool:
         raise argparse.ArgumentTypeError(f"the tile must be 1 to {pool} blocks (the pool of {STREAMED_POOL_TOKENS} "
                                          f"tokens), got {spec!r}")
+    if batch * ctx <= STREAMED_POOL_TOKENS:
+        raise argparse.ArgumentTypeError(f"batch x context must exceed the pool's {STREAMED_POOL_TOKENS} tokens, or "
+                                         f"nothing streams (the step is attended from the pool), got {spec!r}")
     return batch, ctx, tile_blocks
 
 
