@@ -570,21 +570,26 @@ def memory_extra(result: dict) -> list[tuple[str, str, str, int, float, float]]:
 
 
 def memory_table(result: dict) -> list[str]:
-    """Resident memory per engine: growth of the process RSS over its start (peak and at the end), ActiveKV's
-    difference from CPU_ATTN's, and the pool its telemetry reports."""
-    lines = ["| model | dtype | backend | RSS peak growth MiB | RSS end growth MiB | extra over CPU_ATTN, peak / end "
-             "MiB | pool (telemetry) MiB |", "|---|---|---|---|---|---|---|"]
+    """Resident memory per model and dtype, MiB as peak / end: CPU_ATTN's growth of the process RSS over its start (its
+    peak while it ran, and at its end), each ActiveKV column's difference from it, and the pool its telemetry reports
+    where it has one."""
+    def fmt(x: float | None, sign: str = "") -> str:
+        return format(x if x is not None else float("nan"), f"{sign}.0f")
+
+    names = columns(result)
+    lines = ["| model | dtype | CPU_ATTN, block 128: RSS growth | " + " | ".join(f"{n}: extra" for n in names) + " |",
+             "|" + "---|" * (3 + len(names))]
     for model, dtype, base, runs in _groups(result):
         bp, be = _mib(base["memory"], "rss_peak_mib"), _mib(base["memory"], "rss_end_mib")
-        for run in [base, *runs.values()]:
+        cells = {}
+        for name, run in runs.items():
             p, e = _mib(run["memory"], "rss_peak_mib"), _mib(run["memory"], "rss_end_mib")
-            extra = ("-" if run is base else
-                     f"{(p - bp) if p is not None and bp is not None else float('nan'):+.0f} / "
-                     f"{(e - be) if e is not None and be is not None else float('nan'):+.0f}")
+            extra_p = p - bp if p is not None and bp is not None else None
+            extra_e = e - be if e is not None and be is not None else None
             pool = max(m["pool_bytes"] for m in run["memory"]) / 2**20
-            name = "CPU_ATTN, block 128" if run is base else _short(run)
-            lines.append(f"| {model} | {dtype} | {name} | {p if p is not None else float('nan'):.0f} | "
-                         f"{e if e is not None else float('nan'):.0f} | {extra} | {pool:.0f} |")
+            cells[name] = f"{fmt(extra_p, '+')} / {fmt(extra_e, '+')}" + (f" (pool {pool:.0f})" if pool else "")
+        lines.append(f"| {model} | {dtype} | {fmt(bp)} / {fmt(be)} | " + " | ".join(cells.get(n, "-") for n in names)
+                     + " |")
     return lines
 
 

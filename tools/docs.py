@@ -337,12 +337,12 @@ def e2e_section(e2e: dict[str, Any]) -> list[str]:
         "Time to first token, one prompt, ActiveKV's over CPU_ATTN's (below 1.00x: faster):", "",
         *bench_e2e.ttft_table(e2e), "",
         "![vLLM end to end: ActiveKV over CPU_ATTN per cell](img/e2e_decode.png)", "",
-        "Resident memory: the process's RSS growth over each engine's start (its peak while it ran, and at its end), "
-        "ActiveKV's difference from CPU_ATTN's, and the pool ActiveKV's telemetry reports "
-        "(pool_blocks x bytes_per_block x layers). The RSS growth is mostly the KV cache "
+        "Resident memory, MiB as peak / end: the process's RSS growth over each engine's start (its peak while it ran, "
+        "and at its end) for CPU_ATTN, each ActiveKV column's difference from it, and in brackets the pool ActiveKV's "
+        "telemetry reports (pool_blocks x bytes_per_block x layers). The RSS growth is mostly the KV cache "
         f"({setup['kv_cache_gib']} GiB, the same for every engine) and also holds compiled graphs and allocator "
         "caches, which vary from engine to engine (CPU_ATTN runs first and compiles the model, where its graphs are not "
-        "cached yet); the pool column is exact.", "",
+        "cached yet); the pool figure is exact.", "",
         *bench_e2e.memory_table(e2e), "",
         "Every ActiveKV cell's native forward calls (ActiveKV's own telemetry) are in the JSON: proof that the engine "
         "served every layer of every step. In place, vLLM's KV cache is the only copy of K and V; the pool keeps a "
@@ -484,6 +484,7 @@ def gpu_section(gpu: dict[str, Any], later: dict[str, Any] | None = None) -> lis
         + (f" (a tile's 256 blocks lie in order: one 16 MiB run, read by the copy engines), "
            f"{_range(streamed_kernel, '{:.2f}')} with its gather kernel forced" if streamed_kernel else "") + ".", "",
         *bench_gpu.streamed_table(sgpu), "",
+        *(small_tiles_lines(gpu) if gpu.get("small_tiles") else []),
         *([f"**Where a streamed step goes** (torch.profiler over 4 steps; `--streamed-breakdown`, pool of 16k tokens; "
             "the traces are written beside the data). The copy engine's busy time and rate are those of the tile "
             "copies (at least 1 MiB each); a gap is the idle time between two of them, host-late when the call that "
@@ -522,6 +523,29 @@ def gpu_section(gpu: dict[str, Any], later: dict[str, Any] | None = None) -> lis
         *bench_gpu.blocks_table(gpu),
         *(["", bench_gpu.gather_line(gpu)] if gpu.get("gather") else []),
     ]
+
+
+def small_tiles_lines(gpu: dict[str, Any]) -> list[str]:
+    """The small-tile streamed table with its headline: each way of passing a tile's ids, its share of the bus and
+    its host time per tile."""
+    from tools import bench_gpu
+
+    ceiling = gpu["ceilings"]["h2d_GBps"]
+    def arm(ids: str, key: str) -> list[float]:
+        rows = [r for r in gpu["small_tiles"] if r["ids"] == ids]
+        if key == "bus":
+            return [r["h2d_bytes_per_step"] / r["ms"] / 1e6 / ceiling for r in rows]
+        return [r["host_us_per_tile"] for r in rows]
+
+    ctxs = sorted({r["context"] for r in gpu["small_tiles"]})
+    return [f"**Streamed exact decode with small tiles** (vLLM's streaming configuration: a pool of 1/8 of one row's "
+            f"context, tiles of half the pool, at {' and '.join(f'{c // 1024}k' for c in ctxs)}; every block crosses "
+            "the bus every step). Each tile's ids travel in the kernels' launch parameters (the engine's default) or "
+            "are uploaded per tile (`ACTIVEKV_INLINE_IDS=0`). Target: 90% of the pinned bus; measured with the ids in "
+            f"the launch {_range(arm('in the launch', 'bus'), '{:.2f}')} of it at "
+            f"{_range(arm('in the launch', 'host'), '{:.0f}')} us of host work per tile, uploaded "
+            f"{_range(arm('uploaded', 'bus'), '{:.2f}')} at {_range(arm('uploaded', 'host'), '{:.0f}')} us.", "",
+            *bench_gpu.small_tiles_table(gpu), ""]
 
 
 # --- vLLM on the GPU ----------------------------------------------------------------------------------------------
