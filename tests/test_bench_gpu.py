@@ -399,3 +399,20 @@ def test_compressed_decode_keeps_its_keys_and_adds_the_timed_steps_counters(monk
     assert (r["evicted_per_step_timed"], r["hit_per_step_timed"]) == (1000, 12960)
     assert r["union_blocks_per_row_timed"] == 900 and r["selected_blocks_per_row_timed"] == 1003
     assert r["pool_blocks"] == 16048 and r["pool_over_batch_union"] == pytest.approx(16048 / 14400)
+
+
+def test_small_tiles_table_puts_each_way_of_passing_ids_side_by_side() -> None:
+    """A row per configuration and tile size: the launch-parameter arm and the uploaded arm of the same tile side by
+    side, '-' where an arm was not run; the rate against the ceiling and the tile's own bus time."""
+    def row(tile: int, ids: str, ms: float) -> dict:
+        return {"batch": 1, "context": 8192, "pool_blocks": 64, "tile_blocks": tile, "ids": ids, "ms": ms,
+                "h2d_bytes_per_step": 32 << 20, "tiles_per_step": 1024 // tile, "host_us_per_tile": 40.0}
+
+    res = {"ceilings": {"h2d_GBps": 50.0},
+           "small_tiles": [row(32, "in the launch", 0.7), row(32, "uploaded", 1.4), row(64, "in the launch", 0.68)]}
+    lines = bench_gpu.small_tiles_table(res)
+    assert len(lines) == 4
+    rate = (32 << 20) / 0.7e-3 / 1e9 / 50.0
+    assert lines[2] == (f"| 1 | 8k | 64 | 32 (2) | {(32 * bench_gpu.BLOCK_BYTES) / 50e3:.0f} | 0.70 | {rate:.2f} | 40 | "
+                        f"1.40 | {rate / 2:.2f} | 40 |")
+    assert lines[3].startswith("| 1 | 8k | 64 | 64 (4) |") and lines[3].endswith("| - | - | - |")

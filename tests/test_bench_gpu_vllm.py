@@ -79,6 +79,21 @@ def test_activekv_options_per_configuration() -> None:
                                                            "sink_blocks": 1, "recent_blocks": 2}
 
 
+def test_streamed_tile_of_the_whole_pool_is_asked_for() -> None:
+    """--streamed-tile pool: exact-streamed's tiles are its whole pool (at most 256 blocks); the other configurations
+    are as before; the JSON's setup records the choice."""
+    plans, _ = bench.plan_engines([8192, 32768, 131072], [1], ["exact-streamed", "exact-resident"], 4, 1 << 20,
+                                  streamed_tile="pool")
+    streamed = {p.contexts[0][0]: p.activekv_options() for p in plans if p.config == "exact-streamed"}
+    assert streamed == {8192: {"mode": "exact", "pool_blocks": 64, "tile_blocks": 64},
+                        32768: {"mode": "exact", "pool_blocks": 256, "tile_blocks": 256},
+                        131072: {"mode": "exact", "pool_blocks": 1024, "tile_blocks": 256}}
+    resident = next(p for p in plans if p.config == "exact-resident")
+    assert resident.activekv_options() == {"mode": "exact", "pool_blocks": resident.blocks}
+    assert bench.parse_args(["--streamed-tile", "pool"]).streamed_tile == "pool"
+    assert bench.parse_args([]).streamed_tile == "half"
+
+
 def test_configs_choose_what_is_planned() -> None:
     plans, capped = bench.plan_engines([8192], [1], ["compressed", "triton"], 4, 1 << 20)
     assert [p.config for p in plans] == ["triton", "compressed"] and capped == []

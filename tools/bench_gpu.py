@@ -26,9 +26,10 @@ Sections (--sections picks some; the JSON then holds only those):
    mapped transfer reading as it chooses, and with its gather kernel forced); achieved host->device rate against the
    pinned bus ceiling of section 1;
 4. small_tiles: streamed exact decode as vLLM's streaming configuration runs it (tools/bench_gpu_vllm.py: a pool of
-   1/8 of one row's context, tiles of half the pool) at 8k and 32k, batch 1 and 8, each tile's ids in the kernels'
-   launch parameters (the default) and uploaded per tile (ACTIVEKV_INLINE_IDS=0): ms/step, the achieved rate against
-   the pinned bus, and the host's time per tile (one forward's wall clock, the device idle at its start);
+   1/8 of one row's context) at 8k and 32k, batch 1 and 8, with tiles of half the pool and of the whole pool, each
+   tile's ids in the kernels' launch parameters (the default) and, with tiles of half the pool, uploaded per tile
+   (ACTIVEKV_INLINE_IDS=0): ms/step, the achieved rate against the pinned bus, and the host's time per tile (one
+   forward's wall clock, the device idle at its start);
 5. resident: exact decode with every block on the device, in place (placement in_place: the KV cache on the device,
    no pool) and from a pool that holds the contexts (pool-resident), each step's decode rows in one launch (the decode
    batch); the ATen tile path beside them; against scaled_dot_product_attention (flash) on the same KV in
@@ -330,23 +331,25 @@ def exact_decode(batch: int, ctx: int, tiered: bool, pool_tokens: int, tile_bloc
             "h2d_bytes_per_step": snap["bytes_h2d"] / max(1, snap["forward_calls"])}
 
 
-# The small-tile section: vLLM's streaming configuration (tools/bench_gpu_vllm.py), a pool of 1/8 of one row's context
-# and tiles of half the pool, at these contexts and batches; each tile's ids in the kernels' launch parameters (the
-# engine's default) or uploaded per tile (ACTIVEKV_INLINE_IDS=0).
+# The small-tile section: vLLM's streaming configuration (tools/bench_gpu_vllm.py), a pool of 1/8 of one row's context,
+# at these contexts and batches, with tiles of half the pool and of the whole pool; each tile's ids in the kernels'
+# launch parameters (the engine's default) and, with tiles of half the pool, uploaded per tile (ACTIVEKV_INLINE_IDS=0).
 SMALL_TILE_CONTEXTS = (8192, 32768)
 SMALL_TILE_BATCHES = (1, 8)
 SMALL_TILE_IDS = {"in the launch": None, "uploaded": "0"}  # ACTIVEKV_INLINE_IDS per arm
+SMALL_TILE_ARMS = (("half", "in the launch"), ("half", "uploaded"), ("pool", "in the launch"))  # (tile, ids)
 HOST_CALLS = 5
 
 
-def small_tile_decode(batch: int, ctx: int, ids: str) -> dict:
+def small_tile_decode(batch: int, ctx: int, ids: str, tile: str = "half") -> dict:
     """Streamed exact decode with vLLM's small tiles, where the host's work per tile can outlast the tile's bytes on
     the bus: ms/step by CUDA events over back-to-back calls, and the host's time per tile (one forward's wall clock
-    with the device idle at its start and no synchronize inside it, over the tiles it ran)."""
+    with the device idle at its start and no synchronize inside it, over the tiles it ran). `tile`: half the pool or
+    the whole pool (at most 256 blocks)."""
     pool = ctx // BS // 8
-    tile = pool // 2
+    tile_blocks = min(256, pool if tile == "pool" else pool // 2)
     with env("ACTIVEKV_INLINE_IDS", SMALL_TILE_IDS[ids]):
-        eng = make_engine(pool, tile)
+        eng = make_engine(pool, tile_blocks)
         kv = fill_host(batch, ctx, pinned=True)
         plan = decode_plan(eng, batch, ctx)
         q = torch.randn(batch, H, D, dtype=DT, device="cuda")
@@ -369,7 +372,7 @@ def small_tile_decode(batch: int, ctx: int, ids: str) -> dict:
     h2d = (after["bytes_h2d"] - before["bytes_h2d"]) / HOST_CALLS
     del kv
     torch.cuda.empty_cache()
-    return {"batch": batch, "context": ctx, "pool_blocks": pool, "tile_blocks": tile, "ids": ids, "ms": ms,
+    return {"batch": batch, "context": ctx, "pool_blocks": pool, "tile_blocks": tile_blocks, "ids": ids, "ms": ms,
             "h2d_bytes_per_step": h2d, "tiles_per_step": tiles,
             "host_us_per_tile": statistics.median(host) * 1e6 / max(tiles, 1)}
 
@@ -844,18 +847,32 @@ def streamed_table(res: dict) -> list[str]:
 
 
 def small_tiles_table(res: dict) -> list[str]:
-    """One row per configuration and way of passing a tile's ids."""
+    """One row per configuration and tile size; each way of passing a tile's ids measured at it side by side."""
     ceiling = res.get("ceilings", {}).get("h2d_GBps")
-    lines = ["| batch | context | pool blocks | tile blocks (MiB) | tile ids | ms/step | H2D GB/s | / pinned H2D ceiling | "
-             "host us per tile | its bus time us |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | context | pool blocks | tile blocks (MiB) | its bus time us | ids in the launch: ms/step | "
+             "/ pinned H2D ceiling | host us per tile | uploaded: ms/step | / pinned H2D ceiling | host us per tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys: list[tuple[int, int, int, int]] = []
     for r in res["small_tiles"]:
+        key = (r["batch"], r["context"], r["pool_blocks"], r["tile_blocks"])
+        if key not in keys:
+            keys.append(key)
+
+    def arm(key: tuple[int, int, int, int], ids: str) -> list[str]:
+        r = next((r for r in res["small_tiles"] if (r["batch"], r["context"], r["pool_blocks"], r["tile_blocks"]) == key
+                  and r["ids"] == ids), None)
+        if r is None:
+            return ["-", "-", "-"]
         rate = r["h2d_bytes_per_step"] / (r["ms"] / 1e3) / 1e9
-        tile_bytes = r["tile_blocks"] * BLOCK_BYTES
+        return [f"{r['ms']:.2f}", f"{rate / ceiling:.2f}" if ceiling else "-", f"{r['host_us_per_tile']:.0f}"]
+
+    for key in keys:
+        batch, ctx, pool, tile = key
+        tile_bytes = tile * BLOCK_BYTES
         bus_us = f"{tile_bytes / (ceiling * 1e3):.0f}" if ceiling else "-"
-        share = f"{rate / ceiling:.2f}" if ceiling else "-"
-        lines.append(f"| {r['batch']} | {r['context'] // 1024}k | {r['pool_blocks']} | {r['tile_blocks']} "
-                     f"({tile_bytes / 2**20:g}) | {r['ids']} | {r['ms']:.2f} | {rate:.1f} | {share} | "
-                     f"{r['host_us_per_tile']:.0f} | {bus_us} |")
+        cells = [str(batch), f"{ctx // 1024}k", str(pool), f"{tile} ({tile_bytes / 2**20:g})", bus_us,
+                 *arm(key, "in the launch"), *arm(key, "uploaded")]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -1095,9 +1112,10 @@ def main() -> None:
         save()
 
     if "small_tiles" in want:
-        res["small_tiles"] = [small_tile_decode(b, c, ids) for c in SMALL_TILE_CONTEXTS for b in SMALL_TILE_BATCHES
-                              for ids in SMALL_TILE_IDS]
-        print("## streamed exact decode with small tiles (pool 1/8 of a row's context, tiles of half the pool)\n")
+        res["small_tiles"] = [small_tile_decode(b, c, ids, tile) for c in SMALL_TILE_CONTEXTS
+                              for b in SMALL_TILE_BATCHES for tile, ids in SMALL_TILE_ARMS]
+        print("## streamed exact decode with small tiles (pool 1/8 of a row's context, tiles of half of it and of "
+              "all of it)\n")
         print("\n".join(small_tiles_table(res)) + "\n", flush=True)
         save()
 

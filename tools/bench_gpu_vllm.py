@@ -1,7 +1,8 @@
 """vLLM decode on a CUDA device: stock TRITON_ATTN against ActiveKV, per-step attention time beside tokens/s.
 
     python -m tools.bench_gpu_vllm [--out DIR] [--budget-s S] [--contexts N ...] [--batches N ...] [--steps N]
-                                   [--configs NAME ...] [--max-case-tokens N] [--models DIR]
+                                   [--configs NAME ...] [--max-case-tokens N] [--streamed-tile {half,pool}]
+                                   [--models DIR]
 
 Run it inside the vLLM-on-GPU harness, which installs the pack and sets vLLM's environment: `make gpu-vllm-bench
 GPU_OUT=DIR` on the device, or `make gpu-vllm-check GPU_OUT=DIR GPU_VLLM_ARGS=--bench` after the end-to-end tests
@@ -181,6 +182,7 @@ class EnginePlan:
     contexts: list[tuple[int, tuple[int, ...]]]
     spec: ModelSpec
     steps: int
+    streamed_tile: str = "half"  # exact-streamed's tiles: half its pool, or the whole pool (STREAMED_TILES)
 
     @property
     def backend(self) -> str:
@@ -215,7 +217,8 @@ class EnginePlan:
         if self.config == "exact-streamed":
             [(ctx, _)] = self.contexts
             pool = streamed_pool_blocks(ctx)
-            return {"mode": "exact", "pool_blocks": pool, "tile_blocks": streamed_tile_blocks(pool)}
+            return {"mode": "exact", "pool_blocks": pool,
+                    "tile_blocks": streamed_tile_blocks(pool, whole=self.streamed_tile == "pool")}
         if self.config == "compressed":
             return {"mode": "compressed", "budget_tokens": COMPRESSED_BUDGET, "sink_blocks": 1, "recent_blocks": 2}
         return None
@@ -230,14 +233,18 @@ def streamed_pool_blocks(context: int) -> int:
     return max(2, -(-context // BLOCK) // 8)
 
 
-def streamed_tile_blocks(pool_blocks: int) -> int:
-    """Half the pool, at most 256 blocks (tools/bench_gpu.py's streamed tile)."""
-    return max(1, min(256, pool_blocks // 2))
+STREAMED_TILES = ("half", "pool")  # --streamed-tile
+
+
+def streamed_tile_blocks(pool_blocks: int, whole: bool = False) -> int:
+    """Half the pool (or with `whole` the whole pool), at most 256 blocks (tools/bench_gpu.py's streamed tile)."""
+    return max(1, min(256, pool_blocks if whole else pool_blocks // 2))
 
 
 def plan_engines(contexts: Sequence[int], batches: Sequence[int], configs: Sequence[str], steps: int,
                  max_case_tokens: int, main: ModelSpec = MAIN_MODEL, heavy: ModelSpec = HEAVY_MODEL,
-                 shared_max_context: int = SHARED_MAX_CONTEXT) -> tuple[list[EnginePlan], list[tuple[int, int]]]:
+                 shared_max_context: int = SHARED_MAX_CONTEXT,
+                 streamed_tile: str = "half") -> tuple[list[EnginePlan], list[tuple[int, int]]]:
     """The engines in the order they run, and the (context, batch) pairs not run (over max_case_tokens).
 
     TRITON_ATTN first with every context; the ActiveKV configurations at contexts up to shared_max_context (exact
@@ -259,10 +266,10 @@ def plan_engines(contexts: Sequence[int], batches: Sequence[int], configs: Seque
         short = [r for r in runs if r[0] <= shared_max_context]
         long = [r for r in runs if r[0] > shared_max_context]
         if key == "exact-streamed":
-            first += [EnginePlan(key, [r], main, steps) for r in short]
+            first += [EnginePlan(key, [r], main, steps, streamed_tile) for r in short]
         elif short:
             first.append(EnginePlan(key, short, main, steps))
-        last += [EnginePlan(key, [r], main, steps) for r in long]
+        last += [EnginePlan(key, [r], main, steps, streamed_tile) for r in long]
     rank = {"exact-streamed": 0, "exact-resident": 1, "compressed": 2}
     last.sort(key=lambda p: (p.contexts[0][0], rank[p.config]))
     return first + ([heavy_plan] if heavy_plan else []) + last, capped
@@ -671,7 +678,8 @@ class Run:
             "setup": {"contexts": sorted(set(args.contexts)), "batches": sorted(set(args.batches)),
                       "steps": args.steps, "budget_s": args.budget_s, "grace_s": GRACE_S,
                       "max_case_tokens": args.max_case_tokens, "configs": list(args.configs), "block_size": BLOCK,
-                      "dtype": "bfloat16", "mode": "eager, in process", "breakdown": list(BREAKDOWN)},
+                      "dtype": "bfloat16", "mode": "eager, in process", "breakdown": list(BREAKDOWN),
+                      "streamed_tile": args.streamed_tile},
             "models": {"main": _model_entry(args.main_model), "heavy": _model_entry(HEAVY_MODEL)},
             "configs": {k: {"label": c.label, "what": c.what} for k, c in CONFIGS.items() if k in args.configs},
             "engines": [], "cases": [], "bus": {}, "elapsed_s": 0.0,
@@ -852,6 +860,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(DEFAULT_CONFIGS))
     ap.add_argument("--max-case-tokens", type=int, default=DEFAULT_MAX_CASE_TOKENS,
                     help="batch x context above this is not run")
+    ap.add_argument("--streamed-tile", choices=STREAMED_TILES, default="half",
+                    help="exact-streamed's tiles: half its pool (default) or the whole pool, at most 256 blocks")
     ap.add_argument("--layers", type=int, default=MAIN_MODEL.layers, help="main model: decoder layers")
     ap.add_argument("--kv-heads", type=int, default=MAIN_MODEL.kv_heads, help="main model: KV heads")
     ap.add_argument("--group", type=int, default=MAIN_MODEL.heads // MAIN_MODEL.kv_heads,
@@ -903,7 +913,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "of 10, CUDA events, at the start of the run"}
     run.log(f"pinned host -> device: {run.bus:.1f} GB/s")
     plans, capped = plan_engines(args.contexts, args.batches, args.configs, args.steps, args.max_case_tokens,
-                                 main=args.main_model)
+                                 main=args.main_model, streamed_tile=args.streamed_tile)
     for key in (k for k in CONFIGS if k in args.configs and k != "triton-heavy"):
         for ctx, batch in capped:
             run.result["cases"].append({
