@@ -220,28 +220,20 @@ std::pair<at::Tensor, at::Tensor> read_mapped(const at::Tensor& src, const at::T
   }
   const int64_t ctas = mapped_gather_ctas();
   const bool kernel = ctas > 0 && row_copy_fits(src.data_ptr(), gathered.data_ptr(), row_bytes);
-  if (kernel && dst_by_value && inline_ids_fit(src_ids.data(), n, limit)) {
+  // The ids by value where both lists fit a launch's parameters, else one uploaded index (src_ids, then dst_ids).
+  const bool by_value = kernel && dst_by_value && inline_ids_fit(src_ids.data(), n, limit);
+  if (!by_value) ids = copy_ids(src_ids, dst_ids, /*with_src=*/true, dst.device());
+  if (kernel) {
     // The gather kernel (cuda_kernel.h CudaGatherArgs): 16-byte loads, many in flight, over the host tier's device
     // mapping (the pinned pointer itself; src outlives the kernel: the engine holds its bound host tier, a caller
-    // holds src). Here its ids in the launch's parameters.
+    // holds src).
     CudaGatherArgs args;
     args.src = src.data_ptr();
-    args.host_src_ids = src_ids.data();
-    args.dst = gathered.data_ptr();
-    args.rows = n;
-    args.row_bytes = row_bytes;
-    args.ctas = ctas;
-    args.device = dst.device().index();
-    cuda_gather()(args);
-    return {gathered, ids};
-  }
-  ids = copy_ids(src_ids, dst_ids, /*with_src=*/true, dst.device());
-  const auto src_dev = ids.narrow(0, 0, n);
-  if (kernel) {
-    // The gather kernel as above, its ids from the uploaded index.
-    CudaGatherArgs args;
-    args.src = src.data_ptr();
-    args.src_ids = src_dev;
+    if (by_value) {
+      args.host_src_ids = src_ids.data();
+    } else {
+      args.src_ids = ids.narrow(0, 0, n);
+    }
     args.dst = gathered.data_ptr();
     args.rows = n;
     args.row_bytes = row_bytes;
@@ -256,7 +248,7 @@ std::pair<at::Tensor, at::Tensor> read_mapped(const at::Tensor& src, const at::T
     auto mapped = at::from_blob(src.data_ptr(), {src.size(0), row_words}, [](void*) {},
                                 at::TensorOptions().dtype(word).device(dst.device()));
     auto out = gathered.view(word);
-    at::index_select_out(out, mapped, 0, src_dev);  // reads host memory in the kernel
+    at::index_select_out(out, mapped, 0, ids.narrow(0, 0, n));  // reads host memory in the kernel
   }
   return {gathered, ids};
 }
