@@ -190,6 +190,8 @@ const char* const kEnvironmentHelp =
     "                               measuring it; unset: 32\n"
     "  ACTIVEKV_DMA_MIN_BYTES=N     mean bytes per run of consecutive host-tier blocks from which that copy uses the\n"
     "                               copy engines instead (0 always, 2^50 never); unset: 1048576\n"
+    "  ACTIVEKV_INLINE_IDS=N        most block ids a CUDA launch takes in its parameters instead of an uploaded\n"
+    "                               index (0..256, 0 uploads every index), for measuring it; unset: 256\n"
     "  ATEN_CPU_CAPABILITY=CAP      caps the CPU kernel's instruction set (default, avx2, avx512) as it caps ATen's\n"
     "  VLLM_PLUGINS                 serve and run-batch add activekv to it (see `activekv plugins`)\n";
 

@@ -1,6 +1,7 @@
 #pragma once
 // Private to engine/src/: integer environment overrides the engine reads for measurement (ACTIVEKV_CUDA_SPLIT,
-// ACTIVEKV_GATHER_CTAS, ACTIVEKV_DMA_MIN_BYTES), read at each use so that a benchmark can sweep them.
+// ACTIVEKV_GATHER_CTAS, ACTIVEKV_DMA_MIN_BYTES, ACTIVEKV_INLINE_IDS), read at each use so that a benchmark can sweep
+// them.
 #include <cstdint>
 #include <cstdlib>
 
