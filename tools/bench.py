@@ -7,22 +7,21 @@ seeded tensors, block tables a seeded permutation of the block ids. A step is ti
 column:
 
 - ActiveKV exact (`activekv._backend.Builder`/`Impl`, called as vLLM's patched backend calls them): `build` the step
-  plan, `do_kv_cache_update` the new token of every row (into the row's last slot, so the context length stays fixed
-  and the last block's pool copy is written through), `forward` (admission, host -> pool transfer, tiled attention).
-  Pool columns: the pool holds every block the step reads, or a quarter of them (exact mode then streams every block
-  each step). Block 16, and in the "block 128" column at vLLM's CPU default block size (what a vLLM user gets without
-  `block_size`), pool=all. Attention by the fast CPU kernel (`kernel` "native", the default), and in the "ATen path"
-  column by the ATen tile path (`kernel` "aten", the path the Python reference mirrors bit for bit), pool=all.
+  plan, `do_kv_cache_update` the new token of every row (into the row's last slot, so the context length stays fixed),
+  `forward` (admission, tiled attention). With ActiveKV's default options ("in place": no pool, the kernel reads
+  vLLM's KV cache where it is, tiles of its own default size) at block 16 and, in the "block 128" column, at vLLM's
+  CPU default block size (what a vLLM user gets without `block_size`); with an explicit pool of a quarter of the
+  blocks a step reads ("pool=1/4", tiles of 16 blocks: every block streams through the pool every step). Attention by
+  the fast CPU kernel (`kernel` "native", the default), and in the "ATen path" column by the ATen tile path (`kernel`
+  "aten", the path the Python reference mirrors bit for bit), in place.
 - ActiveKV compressed: the same calls with `mode=compressed`, `budget_tokens` 2048, `sink_blocks` 1, `recent_blocks`
-  2 and the default pool: the worst-case union of one row's selections (8 KV heads x 125 + 3 = 1003 blocks) for
-  each of the scheduler's rows, capped at the KV cache's blocks (the Builder reads `scheduler_config.max_num_seqs`
-  and `cache_config.num_gpu_blocks`; here the batch and the cache's block count, as vLLM would set them). Each
-  decode row attends, per KV head, to its 128 selected blocks; a context within the budget (2k) runs as exact mode.
-  At batch > 1 also with a pool of one row's union ("pool=one union", the default before it scaled with
-  max_num_seqs): rows whose unions do not fit together then evict each other's blocks every step. And at vLLM's CPU
-  default block size ("block 128": budget 16 blocks, the top 13 by Quest's bound, default pool 8 x 13 + 3 = 107
-  blocks per row), the block size a vLLM user of compressed mode gets without `block_size`; Quest's bound is then
-  kept per 128 tokens (a coarser choice: docs/quality.md measures quality at block 16 and 128).
+  2, in place (the default: each decode row attends, per KV head, to its 128 selected blocks where they are in the
+  KV cache; a context within the budget (2k) runs as exact mode). Also with an explicit pool of one row's worst-case
+  union of selections (8 KV heads x 125 + 3 = 1003 blocks, "pool=one union", tiles of 16 blocks): the selections are
+  copied into it, and at batch > 1 rows whose unions do not fit together evict each other's blocks every step. And at
+  vLLM's CPU default block size in place ("block 128": budget 16 blocks, the top 13 by Quest's bound), the block size
+  a vLLM user of compressed mode gets without `block_size`; Quest's bound is then kept per 128 tokens (a coarser
+  choice: docs/quality.md measures quality at block 16 and 128).
 - vLLM CPU_ATTN (`torch.ops._C`, as vllm/v1/attention/backends/cpu_attn.py calls it): `get_scheduler_metadata`
   (its builder's per-step work), `cpu_attn_reshape_and_cache` of the new tokens, `cpu_attention_with_kv_cache`.
   At block 16 (ISA vec16, the same geometry as ActiveKV) and at block 128, vLLM's CPU default: vLLM's CPU_ATTN
@@ -40,7 +39,7 @@ the speed ratios of compressed mode (each pool and block size) against the other
 
 Timings come from `torch.utils.benchmark` (`Timer.blocked_autorange`, at `--threads` intra-op threads): per
 (dtype, context, batch), CPU_ATTN block 128 (the anchor of the ratios against vLLM) is built first and kept; every
-other column is built, warmed up (`--warmup` steps, which also fill the pool), timed in `--rounds` rounds (default 3)
+other column is built, warmed up (`--warmup` steps, which also fill a pool), timed in `--rounds` rounds (default 3)
 taking turns with the anchor (so a slow spell of a noisy machine falls on both, and one column's memory at a time sits
 beside the anchor's), and freed. Each round is one `blocked_autorange` of `--budget-s` / rounds seconds: the Timer
 picks how many steps make a block (fast steps are timed in blocks, slow ones one by one) and repeats blocks until the
@@ -82,32 +81,32 @@ MISSING = "n/a (module missing)"
 # Compressed mode's options (its pool is the Builder's default: the worst-case union of one row's selections).
 COMPRESSED = {"mode": "compressed", "budget_tokens": 2048, "sink_blocks": 1, "recent_blocks": 2}
 
-# Column headers (milliseconds per step); docs/benchmarks.md explains each.
-EXACT_POOL_ALL = "ActiveKV exact pool=all"
-EXACT_BLOCK_128 = f"ActiveKV exact block {VLLM_CPU_BLOCK_SIZE} pool=all"
+# Column headers (milliseconds per step); docs/benchmarks.md explains each. "in place": ActiveKV's default options on
+# the CPU (no pool: vLLM's KV cache read where it is); "pool=": an explicit pool (placement "pool").
+EXACT_DEFAULT = "ActiveKV exact in place"
+EXACT_BLOCK_128 = f"ActiveKV exact block {VLLM_CPU_BLOCK_SIZE} in place"
 EXACT_POOL_QUARTER = "ActiveKV exact pool=1/4"
-EXACT_ATEN = "ActiveKV exact ATen path pool=all"
-COMPRESSED_COLUMN = "ActiveKV compressed 2048"
+EXACT_ATEN = "ActiveKV exact ATen path in place"
+COMPRESSED_COLUMN = "ActiveKV compressed 2048 in place"
 COMPRESSED_ONE_UNION = "ActiveKV compressed 2048 pool=one union"
-COMPRESSED_BLOCK_128 = f"ActiveKV compressed 2048 block {VLLM_CPU_BLOCK_SIZE}"
+COMPRESSED_BLOCK_128 = f"ActiveKV compressed 2048 block {VLLM_CPU_BLOCK_SIZE} in place"
 CPU_ATTN_16 = "CPU_ATTN block 16"
 CPU_ATTN_128 = f"CPU_ATTN block {VLLM_CPU_BLOCK_SIZE}"
 SDPA = "SDPA"
-COLUMNS = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN, COMPRESSED_COLUMN, COMPRESSED_ONE_UNION,
+COLUMNS = (EXACT_DEFAULT, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN, COMPRESSED_COLUMN, COMPRESSED_ONE_UNION,
            COMPRESSED_BLOCK_128, CPU_ATTN_16, CPU_ATTN_128, SDPA)
 # Columns whose output must equal attention over the whole context (within float32 rounding).
-EXACT_COLUMNS = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN, CPU_ATTN_16, CPU_ATTN_128)
+EXACT_COLUMNS = (EXACT_DEFAULT, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN, CPU_ATTN_16, CPU_ATTN_128)
 # Speed ratios reported per row and compressed column: (column / compressed). Above 1: compressed is that many times
 # faster.
-RATIO_COLUMNS = (CPU_ATTN_16, CPU_ATTN_128, EXACT_POOL_ALL, SDPA)
+RATIO_COLUMNS = (CPU_ATTN_16, CPU_ATTN_128, EXACT_DEFAULT, SDPA)
 # Ratios against vLLM: ActiveKV exact columns against vLLM's CPU default (at most 1.0x is the target), and CPU_ATTN
 # against compressed mode at block 16 and 128 (above 1: compressed is faster).
-VS_CPU_ATTN = (EXACT_POOL_ALL, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN)
+VS_CPU_ATTN = (EXACT_DEFAULT, EXACT_BLOCK_128, EXACT_POOL_QUARTER, EXACT_ATEN)
 COMPRESSED_VS_CPU_ATTN = (COMPRESSED_COLUMN, COMPRESSED_BLOCK_128)
 # Compressed columns of the speed ratio table, with the label of their pool.
-COMPRESSED_VARIANTS = ((COMPRESSED_COLUMN, "default"), (COMPRESSED_ONE_UNION, "one union"),
-                       (COMPRESSED_BLOCK_128, f"default, block {VLLM_CPU_BLOCK_SIZE}"))
-SAME_AS_DEFAULT = "= default"  # pool=one union at batch 1 is the default pool
+COMPRESSED_VARIANTS = ((COMPRESSED_COLUMN, "in place"), (COMPRESSED_ONE_UNION, "one union"),
+                       (COMPRESSED_BLOCK_128, f"in place, block {VLLM_CPU_BLOCK_SIZE}"))
 
 
 @dataclass
@@ -266,13 +265,12 @@ def activekv_step(builder: Any, impl: Any, layer: Any, kv_cache: torch.Tensor, q
 def activekv_column(case: Case, backend: Any, options: dict[str, Any],
                     block_size: int = BLOCK_SIZE) -> tuple[Callable[[], None], torch.Tensor]:
     """ActiveKV through its vLLM-facing objects (activekv_layer, activekv_step) for one decode step, with the KV
-    cache in blocks of `block_size` tokens. `options` go to `additional_config["activekv"]` (tile_blocks is
-    TILE_BLOCKS)."""
+    cache in blocks of `block_size` tokens. `options` go to `additional_config["activekv"]` as they are."""
     block_table = case.block_table(block_size)
     slots = case.slot_mapping(block_table, block_size)
     builder, impl, layer, kv_cache = activekv_layer(
         backend, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, case.dtype, block_size, block_table.numel(), case.batch,
-        {**options, "tile_blocks": TILE_BLOCKS})
+        options)
     impl.do_kv_cache_update(layer, case.key, case.value, kv_cache, slots)
     last = case.last_rows()
     query_start_loc, seq_lens = case.decode_metadata()
@@ -280,19 +278,17 @@ def activekv_column(case: Case, backend: Any, options: dict[str, Any],
                          query_start_loc, seq_lens, block_table)
 
 
-def exact_options(case: Case, pool_fraction: int, kernel: str = "native",
-                  block_size: int = BLOCK_SIZE) -> dict[str, Any]:
-    """Exact mode with a pool of the blocks (of `block_size` tokens) one step reads, divided by `pool_fraction` (at
-    least one tile), and the attention `kernel` ("native": the fast CPU kernel, the default; "aten": the ATen tile
-    path)."""
-    num_blocks = case.batch * case.context // block_size
-    return {"mode": "exact", "pool_blocks": max(TILE_BLOCKS, num_blocks // pool_fraction), "kernel": kernel}
+def pool_options(case: Case, pool_fraction: int) -> dict[str, Any]:
+    """Exact mode with a pool of the blocks one step reads (block 16), divided by `pool_fraction` (at least one tile),
+    tiles of TILE_BLOCKS."""
+    num_blocks = case.batch * case.context // BLOCK_SIZE
+    return {"mode": "exact", "pool_blocks": max(TILE_BLOCKS, num_blocks // pool_fraction), "tile_blocks": TILE_BLOCKS}
 
 
 def worst_case_union_blocks(block_size: int = BLOCK_SIZE) -> int:
     """One row's worst-case union of selections at `block_size`: num_kv_heads * k + sink + recent blocks, k = budget
-    blocks - sink - recent (compressed mode's default pool is this per scheduler row, capped at the KV cache's
-    blocks)."""
+    blocks - sink - recent (compressed mode's pool with placement "pool" and no pool_blocks is this per scheduler
+    row, capped at the KV cache's blocks)."""
     k = COMPRESSED["budget_tokens"] // block_size - COMPRESSED["sink_blocks"] - COMPRESSED["recent_blocks"]
     return NUM_KV_HEADS * k + COMPRESSED["sink_blocks"] + COMPRESSED["recent_blocks"]
 
@@ -330,19 +326,18 @@ def load_backend() -> tuple[Any | None, str]:
 
 def column_makers(case: Case, backend: Any | None) -> dict[str, Callable[[], tuple[Callable[[], None], torch.Tensor]]
                                                           | None]:
-    """Per column: a function that builds (step, output), or None when the column does not run (module missing, or
-    pool=one union at batch 1, which is the default pool)."""
+    """Per column: a function that builds (step, output), or None when the column does not run (module missing)."""
     akv = backend is not None
     return {
-        EXACT_POOL_ALL: (lambda: activekv_column(case, backend, exact_options(case, 1))) if akv else None,
-        EXACT_BLOCK_128: (lambda: activekv_column(case, backend, exact_options(case, 1, block_size=VLLM_CPU_BLOCK_SIZE),
-                                                  VLLM_CPU_BLOCK_SIZE)) if akv else None,
-        EXACT_POOL_QUARTER: (lambda: activekv_column(case, backend, exact_options(case, 4))) if akv else None,
-        EXACT_ATEN: (lambda: activekv_column(case, backend, exact_options(case, 1, "aten"))) if akv else None,
+        EXACT_DEFAULT: (lambda: activekv_column(case, backend, {"mode": "exact"})) if akv else None,
+        EXACT_BLOCK_128: (lambda: activekv_column(case, backend, {"mode": "exact"}, VLLM_CPU_BLOCK_SIZE))
+        if akv else None,
+        EXACT_POOL_QUARTER: (lambda: activekv_column(case, backend, pool_options(case, 4))) if akv else None,
+        EXACT_ATEN: (lambda: activekv_column(case, backend, {"mode": "exact", "kernel": "aten"})) if akv else None,
         COMPRESSED_COLUMN: (lambda: activekv_column(case, backend, COMPRESSED)) if akv else None,
         COMPRESSED_ONE_UNION: (lambda: activekv_column(
-            case, backend, {**COMPRESSED, "pool_blocks": worst_case_union_blocks()}))
-        if akv and case.batch > 1 else None,
+            case, backend, {**COMPRESSED, "pool_blocks": worst_case_union_blocks(), "tile_blocks": TILE_BLOCKS}))
+        if akv else None,
         COMPRESSED_BLOCK_128: (lambda: activekv_column(case, backend, COMPRESSED, VLLM_CPU_BLOCK_SIZE))
         if akv else None,
         CPU_ATTN_16: lambda: cpu_attn_column(case, 16),
@@ -424,8 +419,7 @@ def main_table(result: dict[str, Any]) -> list[str]:
     lines = []
     for row in result["rows"]:
         cells = row["cells"]
-        shown = [f"{cells[c]['ms']:.2f}" if c in cells else
-                 SAME_AS_DEFAULT if c == COMPRESSED_ONE_UNION and EXACT_POOL_ALL in cells else MISSING for c in COLUMNS]
+        shown = [f"{cells[c]['ms']:.2f}" if c in cells else MISSING for c in COLUMNS]
         approximate = " / ".join(f"max {d['max']:.1e}, rel {d['rel']:.1e}" for d in row["compressed_diff"].values())
         lines.append([*_label(row), *shown, f"{row['max_diff_exact']:.1e}", approximate or MISSING])
     return _table(["dtype", "context", "batch", *COLUMNS, "max diff (exact)", "compressed diff (approximate)"], lines)
@@ -462,11 +456,11 @@ def setup_line(result: dict[str, Any]) -> str:
     setup = result["setup"]
     return (f"decode (1 query token per row), {NUM_HEADS} query heads, {NUM_KV_HEADS} KV heads, head size "
             f"{HEAD_SIZE}, {' and '.join(setup['dtypes'])} (CPU_ATTN ISA {setup['cpu_attn_isa']}; ActiveKV CPU kernel "
-            f"{setup['activekv_kernel']}), ActiveKV block {BLOCK_SIZE} (and {VLLM_CPU_BLOCK_SIZE} where named) / tile "
-            f"{TILE_BLOCKS} blocks, compressed budget {COMPRESSED['budget_tokens']} tokens / sink "
-            f"{COMPRESSED['sink_blocks']} / recent {COMPRESSED['recent_blocks']} / default pool batch x "
-            f"{worst_case_union_blocks()} blocks (block {VLLM_CPU_BLOCK_SIZE}: "
-            f"{worst_case_union_blocks(VLLM_CPU_BLOCK_SIZE)}), {setup['threads']} threads; median ms per step of one "
+            f"{setup['activekv_kernel']}), ActiveKV block {BLOCK_SIZE} (and {VLLM_CPU_BLOCK_SIZE} where named), in "
+            f"place with its default tiles, with a pool tiles of {TILE_BLOCKS} blocks, compressed budget "
+            f"{COMPRESSED['budget_tokens']} tokens / sink {COMPRESSED['sink_blocks']} / recent "
+            f"{COMPRESSED['recent_blocks']} / pool=one union {worst_case_union_blocks()} blocks, "
+            f"{setup['threads']} threads; median ms per step of one "
             f"layer, torch.utils.benchmark blocked_autorange, {setup['budget_s']:g} s per cell in {setup['rounds']} "
             f"rounds (each column taking turns with {CPU_ATTN_128}); seed {setup['seed']}")
 

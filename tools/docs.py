@@ -143,7 +143,7 @@ def cpu_headlines(cpu: dict[str, Any]) -> dict[str, str]:
     out = {"long": f"{_k(long[0])}-{_k(long[-1])}" if len(long) > 1 else _k(long[0]), "longest": _k(contexts[-1])}
     for dtype in cpu["setup"]["dtypes"]:
         out[f"exact_{dtype}"] = _range(cpu_ratios(cpu, bench.EXACT_BLOCK_128, dtype, long))
-        out[f"exact16_{dtype}"] = _range(cpu_ratios(cpu, bench.EXACT_POOL_ALL, dtype, long))
+        out[f"exact16_{dtype}"] = _range(cpu_ratios(cpu, bench.EXACT_DEFAULT, dtype, long))
         out[f"compressed_{dtype}"] = _range(cpu_ratios(cpu, bench.COMPRESSED_BLOCK_128, dtype, contexts[-1:], True))
         out[f"compressed16_{dtype}"] = _range(cpu_ratios(cpu, bench.COMPRESSED_COLUMN, dtype, contexts[-1:], True))
     return out
@@ -174,7 +174,7 @@ def cpu_section(cpu: dict[str, Any]) -> list[str]:
         "turns with CPU_ATTN block 128 "
         f"(vLLM's CPU default) in {cpu['setup']['rounds']} rounds, and the ratios below divide by CPU_ATTN's time in "
         "those same rounds.", "",
-        f"ActiveKV exact at block 128 against CPU_ATTN block 128, {h['long']}: "
+        f"ActiveKV exact with its defaults (in place) at block 128 against CPU_ATTN block 128, {h['long']}: "
         + ", ".join(f"{d} {h['exact_' + d]}" for d in dtypes) + " of its step time (block 16: "
         + ", ".join(f"{d} {h['exact16_' + d]}" for d in dtypes) + f"). Compressed mode at {h['longest']}: "
         + ", ".join(f"{d} {h['compressed_' + d]}" for d in dtypes) + " faster than CPU_ATTN at block 128 ("
@@ -191,18 +191,16 @@ def cpu_section(cpu: dict[str, Any]) -> list[str]:
         "faster), and CPU_ATTN block 128's time over compressed mode's (above 1: compressed is faster):", "",
         *bench.vs_cpu_attn_table(cpu), "",
         "The columns, each timing one step of one layer:", "",
-        "- **ActiveKV exact pool=all**: `Builder.build`, `Impl.do_kv_cache_update` (the row's new token into its last "
-        "slot, so the context stays fixed) and `Impl.forward`, as vLLM's patched backend calls them; block 16, tile 16 "
-        "blocks, the native CPU kernel; the pool holds every block the step reads.",
-        "- **block 128**: the same at vLLM's CPU default block size. **pool=1/4**: a pool a quarter of the blocks, so "
-        "every block streams through it every step. **ATen path**: `kernel: aten`, the tile path the Python reference "
-        "mirrors bit for bit (`docs/parity.md`).",
-        "- **ActiveKV compressed 2048**: `mode: compressed`, budget 2048 tokens per KV head (1 sink, 2 recent and the "
-        "top 125 blocks by Quest's bound), the default pool (one row's worst-case union, "
-        f"{bench.worst_case_union_blocks()} blocks, per scheduler row). **pool=one union**: a batch with a pool of "
-        "one row's union, so rows evict each other's "
-        "blocks. "
-        f"**block 128**: the top 13 blocks of 128 tokens, pool {bench.worst_case_union_blocks(128)} blocks per row.",
+        "- **ActiveKV exact in place**: `Builder.build`, `Impl.do_kv_cache_update` (the row's new token into its last "
+        "slot, so the context stays fixed) and `Impl.forward`, as vLLM's patched backend calls them, with ActiveKV's "
+        "default options: no pool, the native CPU kernel reading vLLM's KV cache where it is; block 16.",
+        "- **block 128**: the same at vLLM's CPU default block size. **pool=1/4**: an explicit pool of a quarter of the "
+        "blocks (tiles of 16 blocks), so every block is copied through it every step. **ATen path**: `kernel: aten`, "
+        "the tile path the Python reference mirrors bit for bit (`docs/parity.md`), in place.",
+        "- **ActiveKV compressed 2048 in place**: `mode: compressed`, budget 2048 tokens per KV head (1 sink, 2 recent "
+        "and the top 125 blocks by Quest's bound), read where they are (the default). **pool=one union**: an explicit "
+        f"pool of one row's worst-case union ({bench.worst_case_union_blocks()} blocks) the selections are copied into; "
+        "at batch 4 the rows evict each other's blocks. **block 128**: the top 13 blocks of 128 tokens, in place.",
         "- **CPU_ATTN block 16 / 128**: vLLM's ops as `cpu_attn.py` calls them (scheduler metadata, "
         "`cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`). vLLM itself refuses block 16 with CPU_ATTN; "
         "128 is its CPU default. **SDPA**: `scaled_dot_product_attention(enable_gqa=True)`, attention only.",
@@ -226,8 +224,8 @@ def cpu_plot(cpu: dict[str, Any], path: Path) -> None:
 
     from tools import bench
 
-    series = ((bench.EXACT_POOL_ALL, "ActiveKV exact, block 16", "o", "-"),
-              (bench.EXACT_BLOCK_128, "ActiveKV exact, block 128", "s", "-"),
+    series = ((bench.EXACT_DEFAULT, "ActiveKV exact in place, block 16", "o", "-"),
+              (bench.EXACT_BLOCK_128, "ActiveKV exact in place, block 128", "s", "-"),
               (bench.COMPRESSED_COLUMN, "ActiveKV compressed 2048, block 16", "^", "--"),
               (bench.COMPRESSED_BLOCK_128, "ActiveKV compressed 2048, block 128", "v", "--"),
               (bench.CPU_ATTN_16, "vLLM CPU_ATTN, block 16", "x", ":"),
@@ -709,7 +707,8 @@ def readme_results() -> str:
                  f"{cpu['machine']['load_average'][0]:.0f} on "
                  f"{cpu['machine']['nproc']} cores")
     rows = [
-        (f"Exact attention, decode step, CPU, {h['long']} tokens, vs vLLM's CPU_ATTN (block 128)",
+        (f"Exact attention with its defaults (in place), decode step, CPU, {h['long']} tokens, vs vLLM's CPU_ATTN "
+         "(block 128)",
          f"float32 {h['exact_float32']}, bfloat16 {h['exact_bfloat16']} of its time ({load_note})",
          "cpu-decode-attention-one-layer"),
         (f"Compressed mode (2048-token budget), decode step, CPU, {h['longest']} tokens, vs CPU_ATTN",
