@@ -63,3 +63,19 @@ def test_bench_cli_times_every_column(dtype: str, tmp_path: Path) -> None:
         assert all(d["max"] < tolerance for d in row["compressed_diff"].values()), row["compressed_diff"]
     ratios = bench.compressed_ratio_table(result)[2:]
     assert [line.split(" | ")[3] for line in ratios] == ["in place", "one union", "in place, block 128"] * 2
+
+
+@pytest.mark.parametrize("mode,fraction", [("exact", 0), ("exact", 4), ("compressed", 0)])
+def test_profile_child_runs_the_benchmark_step(mode: str, fraction: int, tmp_path: Path) -> None:
+    """`make profile`'s child (tools.profile_native.CHILD) sets up and runs the benchmark's step with tools.bench's
+    helpers, here without perf: in place (its default), through a pool of a quarter of the blocks, compressed. A
+    helper renamed in tools.bench fails here, not only under perf."""
+    pytest.importorskip("activekv._backend")
+    pytest.importorskip("vllm")
+    from tools import profile_native
+
+    ctl = tmp_path / "ctl"
+    proc = subprocess.run([sys.executable, "-c", profile_native.CHILD, "1", "2048", "2", mode, str(fraction),
+                           "float32", "16", "2", str(ctl)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ctl.read_text() == "enable\ndisable\n"

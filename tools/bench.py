@@ -74,11 +74,11 @@ HEAD_SIZE = 128
 BLOCK_SIZE = 16
 VLLM_CPU_BLOCK_SIZE = 128  # the block size vLLM gives an attention backend on CPU unless the user sets block_size
 DTYPES = ("float32", "bfloat16")  # model dtypes benchmarked (--dtypes)
-TILE_BLOCKS = 16  # ActiveKV's default tile (256 tokens)
+TILE_BLOCKS = 16  # the tile of the columns with a pool (256 tokens); in place the engine picks its own
 CONTEXTS = (2048, 8192, 16384, 32768)
 BATCHES = (1, 8)
 MISSING = "n/a (module missing)"
-# Compressed mode's options (its pool is the Builder's default: the worst-case union of one row's selections).
+# Compressed mode's options (no pool: in place, ActiveKV's default on the CPU).
 COMPRESSED = {"mode": "compressed", "budget_tokens": 2048, "sink_blocks": 1, "recent_blocks": 2}
 
 # Column headers (milliseconds per step); docs/benchmarks.md explains each. "in place": ActiveKV's default options on
@@ -278,10 +278,10 @@ def activekv_column(case: Case, backend: Any, options: dict[str, Any],
                          query_start_loc, seq_lens, block_table)
 
 
-def pool_options(case: Case, pool_fraction: int) -> dict[str, Any]:
-    """Exact mode with a pool of the blocks one step reads (block 16), divided by `pool_fraction` (at least one tile),
-    tiles of TILE_BLOCKS."""
-    num_blocks = case.batch * case.context // BLOCK_SIZE
+def pool_options(case: Case, pool_fraction: int, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
+    """Exact mode with a pool of the blocks (of `block_size` tokens) one step reads, divided by `pool_fraction` (at
+    least one tile), tiles of TILE_BLOCKS."""
+    num_blocks = case.batch * case.context // block_size
     return {"mode": "exact", "pool_blocks": max(TILE_BLOCKS, num_blocks // pool_fraction), "tile_blocks": TILE_BLOCKS}
 
 
@@ -448,7 +448,7 @@ def compressed_ratio_table(result: dict[str, Any]) -> list[str]:
             if variant in cells:
                 lines.append([*_label(row), pool, *(f"{cells[c]['ms'] / cells[variant]['ms']:.2f}x"
                                                     for c in RATIO_COLUMNS)])
-    return _table(["dtype", "context", "batch", "compressed pool", *(f"{c} / compressed" for c in RATIO_COLUMNS)],
+    return _table(["dtype", "context", "batch", "compressed", *(f"{c} / compressed" for c in RATIO_COLUMNS)],
                   lines)
 
 

@@ -4,8 +4,9 @@ time grouped into admission, transfer, KV update, kernel, ATen, OpenMP runtime, 
 `python -m tools.profile_native [--context N] [--batch B] [--mode exact|compressed] [--pool-fraction F]
 [--dtype float32|bfloat16] [--block-size 16|128|...] [--threads T] [--reps R]` (what `make profile` runs). The step
 is the benchmark's (`tools/bench.py` activekv_column: 32 query heads, 8 KV heads, head size 128, block 16 unless
-`--block-size` says otherwise (128: vLLM's CPU default), tile 16 blocks, the Builder/Impl calls vLLM's patched
-backend makes: build, KV update of the new token, forward). A child process sets the step up, runs `--reps` steps,
+`--block-size` says otherwise (128: vLLM's CPU default), ActiveKV's default options (in place) unless
+`--pool-fraction` asks for a pool (tiles of 16 blocks), the Builder/Impl calls vLLM's patched backend makes: build,
+KV update of the new token, forward). A child process sets the step up, runs `--reps` steps,
 and `perf record -e cpu-clock` samples it (a software clock: it works in virtual machines without hardware counters),
 enabled through `perf record --control` only for the steps (after set-up and one warm-up step, before teardown).
 Self time per symbol, grouped by the first matching pattern of GROUPS. Needs `perf` (Debian: linux-perf) and
@@ -43,13 +44,16 @@ CHILD = r'''
 import sys, torch
 torch.set_num_threads(int(sys.argv[1]))
 import activekv._backend as backend
-from tools.bench import COMPRESSED, activekv_column, exact_options, make_case
+from tools.bench import COMPRESSED, activekv_column, make_case, pool_options
 context, batch, mode, fraction = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 block_size = int(sys.argv[7])
 case = make_case(context, batch, 0, getattr(torch, sys.argv[6]))
-options = exact_options(case, fraction, block_size=block_size) if mode == "exact" else dict(COMPRESSED)
+if mode == "compressed":
+    options = dict(COMPRESSED)
+else:
+    options = {"mode": "exact"} if fraction == 0 else pool_options(case, fraction, block_size)
 step, _ = activekv_column(case, backend, options, block_size)
-step()  # warm-up: fills the pool
+step()  # warm-up (fills a pool)
 import gc
 gc.freeze()  # as vLLM does after start-up: the cyclic GC would otherwise rescan torch's objects during the steps
 with open(sys.argv[9], "w") as ctl:  # perf record --control: sample the steps only, not set-up or teardown
@@ -92,12 +96,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--mode", choices=("exact", "compressed"), default="exact")
-    parser.add_argument("--pool-fraction", type=int, default=1, help="exact mode: pool = blocks read per step / F")
+    parser.add_argument("--pool-fraction", type=int, default=0,
+                        help="exact mode: 0 (default) in place, ActiveKV's CPU default; F >= 1 a pool of the blocks "
+                             "read per step / F")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (vLLM's CPU default: 128)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=30)
     args = parser.parse_args(argv)
+    if args.pool_fraction < 0:
+        parser.error(f"--pool-fraction must be 0 (in place) or at least 1, got {args.pool_fraction}")
     if args.block_size < 1 or args.context % args.block_size:
         parser.error(f"--context {args.context} must be a positive multiple of --block-size {args.block_size}")
     if shutil.which("perf") is None:
@@ -109,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     step_total = sum(rows.values())
     print(f"command: `python -m tools.profile_native {' '.join(argv if argv is not None else sys.argv[1:])}`")
     print(f"{args.mode} mode, {args.dtype}, context {args.context}, batch {args.batch}, block {args.block_size}, "
-          f"{'pool 1/' + str(args.pool_fraction) if args.mode == 'exact' else 'default pool'}, {args.threads} threads, "
+          f"{'pool 1/' + str(args.pool_fraction) if args.mode == 'exact' and args.pool_fraction else 'in place'}, "
+          f"{args.threads} threads, "
           f"{args.reps} steps after one warm-up; {total} cpu-clock samples over all threads, steps only")
     print()
     print("| where | share of the steps' CPU time |")
