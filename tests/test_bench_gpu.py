@@ -413,6 +413,6 @@ def test_small_tiles_table_puts_each_way_of_passing_ids_side_by_side() -> None:
     lines = bench_gpu.small_tiles_table(res)
     assert len(lines) == 4
     rate = (32 << 20) / 0.7e-3 / 1e9 / 50.0
-    assert lines[2] == (f"| 1 | 8k | 64 | 32 (2) | {(32 * bench_gpu.BLOCK_BYTES) / 50e3:.0f} | 0.70 | {rate:.2f} | 40 | "
-                        f"1.40 | {rate / 2:.2f} | 40 |")
+    bus_us = 32 * bench_gpu.BLOCK_BYTES / 50e3
+    assert lines[2] == f"| 1 | 8k | 64 | 32 (2) | {bus_us:.0f} | 0.70 | {rate:.2f} | 40 | 1.40 | {rate / 2:.2f} | 40 |"
     assert lines[3].startswith("| 1 | 8k | 64 | 64 (4) |") and lines[3].endswith("| - | - | - |")

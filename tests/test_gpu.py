@@ -569,13 +569,17 @@ STREAMED_KERNEL_CELLS = [c for c in KERNEL_CELLS if c.streaming and c.placement 
 def test_exact_tiles_with_slots_in_the_launch_equal_an_uploaded_index(cell: Cell,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """An exact tile's slots passed in the attention launch's parameters (the default) give the bits an uploaded index
-    gives (ACTIVEKV_INLINE_IDS=0): the same blocks at the same positions, in the same order."""
+    gives (ACTIVEKV_INLINE_IDS=0): the same blocks at the same positions, in the same order; and the default arm
+    queues fewer host-to-device copies (no index per tile), so it did take the launch-parameter path."""
     monkeypatch.setenv("ACTIVEKV_INLINE_IDS", "0")
-    uploaded = _replay(cell, "native")
+    uploaded: list[torch.Tensor] = []
+    uploads = _host_to_device_copies(lambda: uploaded.extend(_replay(cell, "native")))
     monkeypatch.delenv("ACTIVEKV_INLINE_IDS")
     snap: dict = {}
-    by_value = _replay(cell, "native", snap)
+    by_value: list[torch.Tensor] = []
+    by_value_uploads = _host_to_device_copies(lambda: by_value.extend(_replay(cell, "native", snap)))
     assert snap["tiles_computed"] > 0
+    assert by_value_uploads < uploads, (by_value_uploads, uploads)
     for i, (a, b) in enumerate(zip(uploaded, by_value, strict=True)):
         assert torch.equal(a, b), f"forward {i}"
 

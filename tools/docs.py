@@ -194,13 +194,14 @@ def cpu_section(cpu: dict[str, Any]) -> list[str]:
         "- **ActiveKV exact in place**: `Builder.build`, `Impl.do_kv_cache_update` (the row's new token into its last "
         "slot, so the context stays fixed) and `Impl.forward`, as vLLM's patched backend calls them, with ActiveKV's "
         "default options: no pool, the native CPU kernel reading vLLM's KV cache where it is; block 16.",
-        "- **block 128**: the same at vLLM's CPU default block size. **pool=1/4**: an explicit pool of a quarter of the "
-        "blocks (tiles of 16 blocks), so every block is copied through it every step. **ATen path**: `kernel: aten`, "
+        "- **block 128**: the same at vLLM's CPU default block size. **pool=1/4**: an explicit pool of a quarter of "
+        "the blocks (tiles of 16 blocks), so every block is copied through it every step. **ATen path**: `kernel: aten`, "
         "the tile path the Python reference mirrors bit for bit (`docs/parity.md`), in place.",
         "- **ActiveKV compressed 2048 in place**: `mode: compressed`, budget 2048 tokens per KV head (1 sink, 2 recent "
         "and the top 125 blocks by Quest's bound), read where they are (the default). **pool=one union**: an explicit "
-        f"pool of one row's worst-case union ({bench.worst_case_union_blocks()} blocks) the selections are copied into; "
-        "at batch 4 the rows evict each other's blocks. **block 128**: the top 13 blocks of 128 tokens, in place.",
+        f"pool of one row's worst-case union ({bench.worst_case_union_blocks()} blocks) the selections are copied "
+        f"into; at batch {max(batches)} the rows evict each other's blocks. **block 128**: the top 13 blocks of 128 "
+        "tokens, in place.",
         "- **CPU_ATTN block 16 / 128**: vLLM's ops as `cpu_attn.py` calls them (scheduler metadata, "
         "`cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`). vLLM itself refuses block 16 with CPU_ATTN; "
         "128 is its CPU default. **SDPA**: `scaled_dot_product_attention(enable_gqa=True)`, attention only.",
@@ -537,24 +538,25 @@ def small_tiles_lines(gpu: dict[str, Any]) -> list[str]:
     ceiling = gpu["ceilings"]["h2d_GBps"]
     rows = gpu["small_tiles"]
 
-    def arm(ids: str, whole: bool, key: str) -> list[float]:
+    def arm(ids: str, whole: bool) -> tuple[list[float], list[float]]:
+        """(shares of the bus, host us per tile) of one way of passing ids at one tile size (as the bench sizes it)."""
         got = [r for r in rows if r["ids"] == ids
-               and r["tile_blocks"] == (min(256, r["pool_blocks"]) if whole else r["pool_blocks"] // 2)]
-        if key == "bus":
-            return [r["h2d_bytes_per_step"] / r["ms"] / 1e6 / ceiling for r in got]
-        return [r["host_us_per_tile"] for r in got]
+               and r["tile_blocks"] == min(256, r["pool_blocks"] if whole else r["pool_blocks"] // 2)]
+        return ([r["h2d_bytes_per_step"] / r["ms"] / 1e6 / ceiling for r in got],
+                [r["host_us_per_tile"] for r in got])
 
-    whole = arm("in the launch", True, "bus")
+    said = []
+    for ids, whole, label in (("in the launch", False, "with the ids in the launch"), ("uploaded", False, "uploaded"),
+                              ("in the launch", True, "with tiles of the whole pool")):
+        bus, host = arm(ids, whole)
+        if bus:
+            said.append(f"{label} {_range(bus, '{:.2f}')} of it at {_range(host, '{:.0f}')} us of host work per tile")
     ctxs = sorted({r["context"] for r in rows})
     return [f"**Streamed exact decode with small tiles** (vLLM's streaming configuration: a pool of 1/8 of one row's "
             f"context, tiles of half the pool, at {' and '.join(f'{c // 1024}k' for c in ctxs)}; every block crosses "
             "the bus every step). Each tile's ids travel in the kernels' launch parameters (the engine's default) or "
-            "are uploaded per tile (`ACTIVEKV_INLINE_IDS=0`). Target: 90% of the pinned bus; measured with the ids in "
-            f"the launch {_range(arm('in the launch', False, 'bus'), '{:.2f}')} of it at "
-            f"{_range(arm('in the launch', False, 'host'), '{:.0f}')} us of host work per tile, uploaded "
-            f"{_range(arm('uploaded', False, 'bus'), '{:.2f}')} at {_range(arm('uploaded', False, 'host'), '{:.0f}')} "
-            "us" + (f"; with tiles of the whole pool {_range(whole, '{:.2f}')}" if whole else "") + ".", "",
-            *bench_gpu.small_tiles_table(gpu), ""]
+            "are uploaded per tile (`ACTIVEKV_INLINE_IDS=0`). Target: 90% of the pinned bus; measured "
+            + "; ".join(said) + ".", "", *bench_gpu.small_tiles_table(gpu), ""]
 
 
 # --- vLLM on the GPU ----------------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ int64_t copy_blocks_staged(const at::Tensor& src, const at::Tensor& dst, const s
 ///    mapped_gather_ctas() CTAs) when the build has it and a block is a multiple of 16 bytes at a 16-byte aligned src;
 ///    else index_select over the mapping (8-byte words when a block is a multiple of 8 bytes, else bytes).
 /// Either way the bytes are src's. A batch of at most inline_ids_limit() blocks (a small tile's) passes its ids to the
-/// gather and scatter kernels in their launch parameters, with no index upload.
+/// gather and scatter kernels in their launch parameters, with no index upload (index_select still takes one).
 /// @throws as copy_blocks_staged; c10::ValueError if src or dst is not contiguous.
 int64_t copy_blocks_mapped(const at::Tensor& src, const at::Tensor& dst, const std::vector<int64_t>& src_ids,
                            const std::vector<int64_t>& dst_ids, const c10::Stream& copy_stream);
