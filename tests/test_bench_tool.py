@@ -79,3 +79,32 @@ def test_profile_child_runs_the_benchmark_step(mode: str, fraction: int, tmp_pat
                            "float32", "16", "2", str(ctl)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ctl.read_text() == "enable\ndisable\n"
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--budget-s", "nan"], "--budget-s finite"), (["--budget-s", "inf"], "--budget-s finite"),
+    (["--budget-s", "-1"], "must be at least 0"), (["--contexts", "0"], "positive multiple of 128"),
+    (["--contexts", "-128"], "positive multiple of 128"), (["--contexts", "2050"], "positive multiple of 128"),
+    (["--batches", "0"], "batch 0 must be at least 1"), (["--batches", "2", "-1"], "batch -1 must be at least 1")])
+def test_bench_refuses_arguments_it_cannot_time(args: list[str], why: str, capsys: pytest.CaptureFixture) -> None:
+    """A budget that is not a finite number of seconds (nan never ends a Timer's run), a context that is not a
+    positive number of whole blocks, or an empty batch: a usage error (exit 2) before anything is built."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(args)
+    assert exit_info.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,why", [
+    (["--context", "0"], "--context must be at least 1"), (["--batch", "0"], "--batch must be at least 1"),
+    (["--threads", "0"], "--threads must be at least 1"), (["--reps", "0"], "--reps must be at least 1"),
+    (["--pool-fraction", "-1"], "0 (in place) or at least 1"),
+    (["--mode", "compressed", "--pool-fraction", "4"], "compressed mode runs in place")])
+def test_profile_refuses_arguments_it_cannot_profile(args: list[str], why: str,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    from tools import profile_native
+
+    with pytest.raises(SystemExit) as exit_info:
+        profile_native.main(args)
+    assert exit_info.value.code == 2
+    assert why in capsys.readouterr().err

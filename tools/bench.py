@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shlex
@@ -411,7 +412,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _label(row: dict[str, Any]) -> list[str]:
-    return [row["dtype"], f"{row['context'] // 1024}k", str(row["batch"])]
+    return [row["dtype"], f"{row['context'] / 1024:g}k", str(row["batch"])]
 
 
 def main_table(result: dict[str, Any]) -> list[str]:
@@ -510,11 +511,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be at least 1, got {args.rounds}")
-    if args.warmup < 0 or args.budget_s < 0 or args.threads < 1:
-        parser.error("--warmup and --budget-s must be at least 0, --threads at least 1")
+    if args.warmup < 0 or not 0 <= args.budget_s < math.inf or args.threads < 1:
+        parser.error(f"--warmup and --budget-s must be at least 0 (--budget-s finite), --threads at least 1, got "
+                     f"{args.warmup}, {args.budget_s} and {args.threads}")
     for n in args.contexts:
-        if n % 128:
-            parser.error(f"context {n} must be a multiple of 128 (whole blocks at block sizes 16 and 128)")
+        if n < 128 or n % 128:
+            parser.error(f"context {n} must be a positive multiple of 128 (whole blocks at block sizes 16 and 128)")
+    for n in args.batches:
+        if n < 1:
+            parser.error(f"batch {n} must be at least 1")
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep vLLM's import-time logging out of the table
     torch.set_num_threads(args.threads)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -106,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.pool_fraction < 0:
         parser.error(f"--pool-fraction must be 0 (in place) or at least 1, got {args.pool_fraction}")
+    if args.mode == "compressed" and args.pool_fraction:
+        parser.error("--pool-fraction sizes exact mode's pool; compressed mode runs in place here")
+    for name in ("context", "batch", "threads", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     if args.block_size < 1 or args.context % args.block_size:
         parser.error(f"--context {args.context} must be a positive multiple of --block-size {args.block_size}")
     if shutil.which("perf") is None:
@@ -115,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows, total = perf_groups([*common, str(args.reps)], Path(tmp))
     step_total = sum(rows.values())
-    print(f"command: `python -m tools.profile_native {' '.join(argv if argv is not None else sys.argv[1:])}`")
+    given = argv if argv is not None else sys.argv[1:]
+    print(f"command: `{shlex.join(['python', '-m', 'tools.profile_native', *given])}`")
     print(f"{args.mode} mode, {args.dtype}, context {args.context}, batch {args.batch}, block {args.block_size}, "
           f"{'pool 1/' + str(args.pool_fraction) if args.mode == 'exact' and args.pool_fraction else 'in place'}, "
           f"{args.threads} threads, "
