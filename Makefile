@@ -102,7 +102,7 @@ demo: wheel real-model ## the user's path: install dist/'s wheel into .venv, `ac
 	$(VENV)/bin/activekv patch check || $(VENV)/bin/activekv patch apply
 	$(PY) -m tools.demo
 
-bench: build patch-vllm ## print the decode attention benchmark table, float32 and bfloat16 (docs/benchmarks.md)
+bench: build patch-vllm ## print the decode attention benchmark tables, float32 and bfloat16 (docs/benchmarks.md)
 	$(PY) -m tools.bench
 
 bench-e2e: build patch-vllm ## vLLM end to end: decode tokens/s, TTFT, memory, ActiveKV defaults and pool vs CPU_ATTN (~35 min)

@@ -179,7 +179,8 @@ def cpu_section(cpu: dict[str, Any]) -> list[str]:
         + ", ".join(f"{d} {h['exact16_' + d]}" for d in dtypes) + f"). Compressed mode at {h['longest']}: "
         + ", ".join(f"{d} {h['compressed_' + d]}" for d in dtypes) + " faster than CPU_ATTN at block 128 ("
         + ", ".join(f"{d} {h['compressed16_' + d]}" for d in dtypes) + " at block 16).", "",
-        f"- command: `{cpu['command']}` (`make bench` prints the same tables without `--json`)",
+        f"- command: `{cpu['command']}` (`make bench` runs the tool's defaults instead: more contexts, batches 1 and "
+        "8, 2 threads, 1 s per cell, and prints the tables without writing JSON)",
         f"- machine: {cpu['machine']['cpu']}, {cpu['machine']['nproc']} cores, load average "
         f"{cpu['machine']['load_average'][0]:.2f} at start; "
         + ", ".join(f"{k} {v}" for k, v in cpu["versions"].items())
